@@ -1,0 +1,1 @@
+"""Shared pieces of the algorithm scripts: model adapters, dynamics, data, advantages, checkpoints."""

@@ -1,0 +1,82 @@
+"""Prompt sets and the per-epoch K-repeat draw.
+
+A dataset is a folder with `train.jsonl`/`test.jsonl` (one JSON object per line, field `prompt`, optional
+`negative_prompt`) or `train.txt`/`test.txt` (one prompt per line).
+"""
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from common.utils import UserError
+
+DEFAULT_DATASET = str(Path(__file__).resolve().parent.parent / "data" / "prompts")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    prompt: str
+    negative_prompt: str = ""
+
+    @property
+    def key(self) -> int:
+        """Group key: a hash of the texts (not a dataset index), as a non-negative int64."""
+        digest = hashlib.sha256(f"{self.prompt}\x00{self.negative_prompt}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def load_prompts(dataset: str | Path, split: str) -> list[Prompt]:
+    folder = Path(dataset)
+    if not folder.is_dir():
+        raise UserError(f"dataset folder {str(folder)!r} does not exist")
+    jsonl, txt = folder / f"{split}.jsonl", folder / f"{split}.txt"
+    records = []
+    if jsonl.exists():
+        for number, line in enumerate(jsonl.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise UserError(f"{jsonl}:{number}: malformed JSON ({err.msg})") from None
+            if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"].strip():
+                raise UserError(f"{jsonl}:{number}: expected an object with a non-empty string field \"prompt\"")
+            negative = item.get("negative_prompt") or ""
+            if not isinstance(negative, str):
+                raise UserError(f"{jsonl}:{number}: \"negative_prompt\" must be a string")
+            records.append(Prompt(item["prompt"], negative))
+        source = jsonl
+    elif txt.exists():
+        records = [Prompt(line.strip()) for line in txt.read_text(encoding="utf-8").splitlines() if line.strip()]
+        source = txt
+    else:
+        raise UserError(f"dataset folder {str(folder)!r} has neither {split}.jsonl nor {split}.txt")
+    if not records:
+        raise UserError(f"{source} holds no prompts")
+    return records
+
+
+def epoch_draw(num_prompts: int, prompts_per_epoch: int, group_size: int, seed: int, epoch: int) -> np.ndarray:
+    """Dataset indices of the epoch's M·K samples: M distinct prompts, each K times, in a shuffled order.
+    It depends only on (seed, epoch), so every process (and a resumed run) draws the same list."""
+    if prompts_per_epoch > num_prompts:
+        raise UserError(f"--prompts-per-epoch {prompts_per_epoch} exceeds the {num_prompts} training prompts")
+    rng = np.random.default_rng([seed, epoch, 0x5EED])
+    chosen = rng.permutation(num_prompts)[:prompts_per_epoch]
+    return rng.permutation(np.repeat(chosen, group_size))
+
+
+def sample_seeds(seed: int, epoch: int, count: int) -> list[int]:
+    """Noise seed of each of the epoch's samples (by position in the epoch's draw)."""
+    return np.random.default_rng([seed, epoch, 0xD1CE]).integers(0, 2**62, size=count).tolist()
+
+
+def shard(count: int, rank: int, world: int) -> slice:
+    """The contiguous part of `count` items that process `rank` of `world` handles."""
+    if count % world:
+        raise UserError(f"{count} samples per epoch do not split evenly over {world} processes")
+    size = count // world
+    return slice(rank * size, (rank + 1) * size)

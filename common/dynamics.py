@@ -1,0 +1,89 @@
+"""One denoising step x(σ) -> x(σ') with its Gaussian mean, std and log-prob (algorithms.md §2).
+
+Conventions: x_σ = (1 − σ)·x0 + σ·ε, the network predicts v ≈ ε − x0, sampling runs σ = 1 → 0, so
+dt = σ' − σ < 0. All math is float32 whatever the inputs' dtype.
+
+Log-probs are a MEAN over all non-batch elements, not a sum (Flow-GRPO's convention). That is why PPO
+clip ranges for these models are tiny (1e-4): a ratio of exp(mean) moves ~1/num_elements as fast.
+"""
+
+import math
+
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+DYNAMICS = ("ode", "flow-sde", "dance-sde", "cps")
+
+
+def _per_sample(value, like: torch.Tensor) -> torch.Tensor:
+    """A float or (batch,) tensor as float32, shaped to broadcast over `like`'s non-batch dims."""
+    value = torch.as_tensor(value, dtype=torch.float32, device=like.device)
+    if value.ndim == 0:
+        value = value.expand(like.shape[0])
+    return value.reshape(-1, *([1] * (like.ndim - 1)))
+
+
+def _mean_over_elements(x: torch.Tensor) -> torch.Tensor:
+    return x.flatten(1).mean(dim=1)
+
+
+def sde_step(
+    dynamics: str,
+    velocity: torch.Tensor,
+    sample: torch.Tensor,
+    sigma,
+    sigma_next,
+    noise_level: float,
+    prev_sample: torch.Tensor | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
+):
+    """Step `sample` at σ to σ' given the model `velocity`.
+
+    Returns (prev_sample, log_prob, mean, std):
+      prev_sample  x', drawn from N(mean, std²) unless given (then log_prob re-evaluates it). A drawn x' is
+                   rounded through `sample.dtype`, so rollout and training score identical numbers.
+      log_prob     (batch,) mean over elements; NaN for `ode`, which has no density.
+      mean, std    float32; std is the FULL std S of x' given x (0 for `ode`), broadcastable to `sample`.
+    `generator` may be one generator or one per sample (diffusers' `randn_tensor` convention).
+    """
+    if dynamics not in DYNAMICS:
+        raise ValueError(f"unknown dynamics {dynamics!r}; choose one of {', '.join(DYNAMICS)}")
+    x = sample.float()
+    v = velocity.float()
+    sig = _per_sample(sigma, x)
+    sig_next = _per_sample(sigma_next, x)
+    dt = sig_next - sig
+
+    if dynamics == "ode":
+        mean, std = x + v * dt, torch.zeros_like(sig)
+    elif dynamics == "flow-sde":
+        # σ = 1 would divide by zero in σ/(1 − σ): Flow-GRPO uses the next schedule value there instead.
+        sig_safe = torch.where(sig >= 1.0, sig_next, sig)
+        s = noise_level * torch.sqrt(sig / (1.0 - sig_safe))
+        mean = x + (v + s**2 / (2 * sig) * (x + (1 - sig) * v)) * dt
+        std = s * torch.sqrt(-dt)
+    elif dynamics == "dance-sde":
+        mean = x + (v + noise_level**2 / (2 * sig) * (x + (1 - sig) * v)) * dt
+        std = noise_level * torch.sqrt(-dt)
+    else:  # cps: coefficients-preserving sampling, noise level is an angle fraction in [0, 1]
+        if not 0.0 <= noise_level <= 1.0:
+            raise ValueError(f"cps needs noise_level in [0, 1], got {noise_level}")
+        x0_hat = x - sig * v
+        eps_hat = x + (1 - sig) * v
+        std = sig_next * math.sin(noise_level * math.pi / 2)
+        mean = (1 - sig_next) * x0_hat + torch.sqrt((sig_next**2 - std**2).clamp_min(0)) * eps_hat
+
+    if prev_sample is None:
+        noise = randn_tensor(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+        prev_sample = (mean + std * noise).to(sample.dtype)
+    x_next = prev_sample.float()
+
+    if dynamics == "ode":
+        log_prob = torch.full((x.shape[0],), float("nan"), device=x.device)
+    elif dynamics == "cps":
+        # The references' unnormalised form: constants and 1/(2S²) dropped, so its scale differs.
+        log_prob = -_mean_over_elements((x_next - mean) ** 2)
+    else:
+        elementwise = -((x_next - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+        log_prob = _mean_over_elements(elementwise.expand_as(x_next))
+    return prev_sample, log_prob, mean, std

@@ -1,0 +1,43 @@
+"""Small helpers every script needs: one-line errors for bad input, dtype choice, seeding."""
+
+import sys
+
+import torch
+
+
+class UserError(Exception):
+    """Bad input from the user (flags, data files): reported as one line, exit status 2."""
+
+
+def install_user_error_hook() -> None:
+    """Print UserError as `error: ...` on one line instead of a traceback, and exit with status 2."""
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        if issubclass(kind, UserError):
+            print(f"error: {value}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        previous(kind, value, traceback)
+
+    sys.excepthook = hook
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is bf16 on accelerators and float32 on the CPU (bf16 matmuls are slow and inexact there)."""
+    choices = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in choices:
+        raise UserError(f"unknown dtype {name!r}; choose one of: auto, {', '.join(choices)}")
+    return choices[name]
+
+
+def quiet_libraries() -> None:
+    """Silence per-call progress bars and advisory warnings of diffusers/transformers."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
