@@ -1,0 +1,41 @@
+"""Shared fixtures: a per-session cache for the tiny pipelines and a runner for the algorithm scripts."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Every script the tests start sees this environment: offline, no trackers, one thread per process
+# (2-core CI; several torch processes each spinning 2 threads slow down tenfold).
+os.environ.setdefault("FLOWRL_CACHE", str(Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / "flowrl-test-cache"))
+os.environ.update(WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_path():
+    from common.tiny import tiny_model_path
+
+    return tiny_model_path("flux1")
+
+
+def run_script(script: str, *args, check: bool = True, timeout: float = 600, launcher=None, env=None):
+    """Run `algos/<script>` (or any repo-relative script) in a subprocess; returns CompletedProcess."""
+    command = (launcher or [sys.executable]) + [str(REPO / script), *map(str, args)]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, **(env or {})})
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    return result
+
+
+def read_metrics(output_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines() if line]
+
+
+ACCELERATE_2CPU = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
