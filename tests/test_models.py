@@ -1,0 +1,81 @@
+"""The FLUX.1 adapter on the tiny pipeline: parity with diffusers, the ratio invariant, bad input."""
+
+import pytest
+import torch
+from diffusers import FluxPipeline
+
+from common.dynamics import sde_step
+from common.models import load_adapter
+from common.sampling import rollout, sample_generators
+from common.utils import UserError
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_flux_path):
+    return load_adapter("flux1", str(tiny_flux_path), "cpu", torch.float32, 64, max_sequence_length=32)
+
+
+def test_ode_rollout_reproduces_the_diffusers_pipeline(adapter, tiny_flux_path):
+    prompts = ["a photo of a cat", "a dog"]
+    cond = adapter.encode_prompts(prompts)
+    traj = rollout(adapter, cond, adapter.sigmas(6), sample_generators([3, 4], "cpu"), "ode", 0.0, [], [], 3.5)
+    ours = adapter.decode(traj.final_latents)
+    pipe = FluxPipeline.from_pretrained(tiny_flux_path)
+    pipe.set_progress_bar_config(disable=True)
+    theirs = pipe(prompts, height=64, width=64, num_inference_steps=6, guidance_scale=3.5, max_sequence_length=32,
+                  generator=sample_generators([3, 4], "cpu"), output_type="pt").images
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_schedule_matches_the_pipeline_and_ends_at_zero(adapter):
+    sigmas = adapter.sigmas(8)
+    assert len(sigmas) == 9 and sigmas[0] == 1.0 and sigmas[-1] == 0.0 and (sigmas.diff() < 0).all()
+
+
+@pytest.mark.parametrize("dynamics", ["flow-sde", "dance-sde", "cps"])
+def test_ratio_is_exactly_one_before_any_update(adapter, dynamics):
+    """Training re-evaluates the stored steps with the same forward and the same batch: ratio == 1."""
+    cond = adapter.encode_prompts(["a cat"] * 4)
+    sigmas = adapter.sigmas(5)
+    traj = rollout(adapter, cond, sigmas, sample_generators(range(4), "cpu"), dynamics, 0.5, range(5), range(4))
+    assert traj.log_probs.shape == (4, 4) and traj.steps == [0, 1, 2, 3]
+    for i, j in enumerate(traj.steps):
+        v = adapter.velocity(traj.latents[:, i], sigmas[j], cond)
+        _, log_prob, _, _ = sde_step(dynamics, v, traj.latents[:, i], sigmas[j], sigmas[j + 1], 0.5,
+                                     prev_sample=traj.next_latents[:, i])
+        assert (torch.exp(log_prob - traj.log_probs[:, i]) - 1).abs().max() < 1e-6
+
+
+def test_window_rollout_stores_only_window_steps(adapter):
+    cond = adapter.encode_prompts(["a cat"] * 2)
+    traj = rollout(adapter, cond, adapter.sigmas(6), sample_generators([0, 1], "cpu"), "flow-sde", 0.8, [2, 3], [2, 3])
+    assert traj.steps == [2, 3] and traj.latents.shape[1] == 2 and torch.isfinite(traj.log_probs).all()
+    with pytest.raises(ValueError, match="every trained step must be stochastic"):
+        rollout(adapter, cond, adapter.sigmas(6), sample_generators([0, 1], "cpu"), "flow-sde", 0.8, [2], [2, 3])
+
+
+def test_bf16_weights_keep_float32_outputs(tiny_flux_path):
+    adapter = load_adapter("flux1", str(tiny_flux_path), "cpu", torch.bfloat16, 64, max_sequence_length=32)
+    cond = adapter.encode_prompts(["a cat"])
+    v = adapter.velocity(adapter.noise(sample_generators([0], "cpu")), 0.5, cond)
+    assert adapter.transformer.dtype == torch.bfloat16 and v.dtype == torch.float32 and torch.isfinite(v).all()
+
+
+def test_bad_model_and_resolution(tiny_flux_path):
+    with pytest.raises(UserError, match="unknown model 'sd9'; choose one of: flux1"):
+        load_adapter("sd9", "tiny", "cpu", torch.float32, 64)
+    with pytest.raises(UserError, match="resolution 72 is not a positive multiple of 16"):
+        load_adapter("flux1", str(tiny_flux_path), "cpu", torch.float32, 72)
+
+
+def test_tiny_build_is_deterministic(tmp_path, monkeypatch, tiny_flux_path):
+    from safetensors.torch import load_file
+
+    from common.tiny import tiny_model_path
+
+    monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path))
+    rebuilt = tiny_model_path("flux1")
+    assert rebuilt != tiny_flux_path
+    name = "transformer/diffusion_pytorch_model.safetensors"
+    a, b = load_file(rebuilt / name), load_file(tiny_flux_path / name)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
