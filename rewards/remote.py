@@ -1,0 +1,99 @@
+"""Remote rewards over HTTP, so that rewards with conflicting dependencies (GenEval's mmdet, HPSv2,
+ImageReward, VLM judges) run in their own environment or on other machines. Standard library only.
+
+Server (rewards/server.py; any reward this package loads, built-in or MODULE:ATTR; run it where that reward's
+packages are installed):
+    python -m rewards.server --reward pickscore --host 127.0.0.1 --port 8000 [--device cuda] [--dtype bfloat16]
+Client, in the training command:
+    --reward remote:1.0,url=http://127.0.0.1:8000[,timeout=120,retries=3,batch_size=32,name=...]
+
+Protocol: GET /info -> {"name", "groupwise"}; POST /score {"prompts": [...], "images": [base64 PNG, ...]}
+-> {"scores": [...]} or, when the reward fails, status 500 {"error": "..."}. Images travel as 8-bit PNG
+(lossless for the round(255·x) images that the built-in rewards score anyway).
+"""
+
+import base64
+import io
+import json
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import torch
+
+from common.utils import UserError
+
+RETRYABLE_STATUS = (502, 503, 504)
+
+
+def encode_images(images: torch.Tensor) -> list[str]:
+    from rewards.clip import to_pil
+
+    out = []
+    for image in to_pil(images):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        out.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
+    return out
+
+
+def decode_images(encoded: list[str]) -> torch.Tensor:
+    from PIL import Image
+
+    arrays = [np.asarray(Image.open(io.BytesIO(base64.b64decode(text))).convert("RGB")) for text in encoded]
+    return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255
+
+
+class RemoteReward:
+    """Client of a reward server. Connection failures and timeouts are retried with exponential backoff
+    (1 s, 2 s, 4 s, ...); a server that stays unreachable stops the run with a UserError naming its URL.
+    The server's name and groupwise flag are read once, at load, so a down server fails before training."""
+
+    def __init__(self, url: str = "", timeout: str = "120", retries: str = "3", batch_size: str = "32",
+                 backoff: str = "1.0"):
+        if not url.startswith(("http://", "https://")):
+            raise UserError(f"the remote reward needs url=http://HOST:PORT (got {url!r})")
+        try:
+            self.timeout, self.retries = float(timeout), int(retries)
+            self.batch_size, self.backoff = int(batch_size), float(backoff)
+        except ValueError:
+            raise UserError("remote reward options timeout/backoff must be numbers and retries/batch_size "
+                            "integers") from None
+        self.url = url.rstrip("/")
+        info = self._request("/info")
+        self.name, self.groupwise = str(info["name"]), bool(info["groupwise"])
+
+    def _request(self, route: str, payload: dict | None = None) -> dict:
+        data = None if payload is None else json.dumps(payload).encode()
+        request = urllib.request.Request(self.url + route, data=data, headers={"Content-Type": "application/json"})
+        reason = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as error:
+                body = error.read().decode(errors="replace")
+                if error.code not in RETRYABLE_STATUS:
+                    try:
+                        body = json.loads(body)["error"]
+                    except (ValueError, KeyError, TypeError):
+                        pass
+                    raise RuntimeError(f"server {self.url} answered {error.code}: {body}") from None
+                reason = f"HTTP {error.code}"
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+                reason = str(getattr(error, "reason", error))
+        raise UserError(f"reward server {self.url} is not reachable ({reason}) after {self.retries + 1} tries; "
+                        f"start it with `python -m rewards.server --reward NAME --port PORT`")
+
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> list[float]:
+        # A groupwise reward must see its whole group in one request.
+        step = len(prompts) if self.groupwise else self.batch_size
+        scores = []
+        for start in range(0, len(prompts), max(step, 1)):
+            answer = self._request("/score", {"prompts": list(prompts[start:start + step]),
+                                              "images": encode_images(images[start:start + step])})
+            scores += answer["scores"]
+        return scores
