@@ -15,15 +15,16 @@ from accelerate.utils import gather, gather_object
 from tqdm import tqdm
 
 from common.advantages import AGGREGATIONS, compute_advantages
+from common.cache import PromptEncoder, cache_texts, find_cache
 from common.checkpoint import (LORA_FILE, latest_checkpoint, load_full_weights_into, load_lora_into,
                                load_training_state, save_checkpoint)
 from common.data import DEFAULT_DATASET, epoch_draw, load_prompts, sample_seeds, shard
 from common.dynamics import DYNAMICS, sde_step
-from common.models import ADAPTERS, load_adapter
+from common.models import ADAPTERS, load_adapter, resolve_model_path
 from common.sampling import rollout, sample_generators
 from common.tracking import MetricsLog, format_metrics, save_image_grid
 from common.training import EMA, adapters_disabled, add_lora, trainable_parameters
-from common.utils import UserError, install_user_error_hook, quiet_libraries, resolve_dtype
+from common.utils import UserError, install_user_error_hook, peak_memory_gb, quiet_libraries, resolve_dtype
 from rewards import load_rewards, score_samples
 
 
@@ -57,6 +58,10 @@ class Args:
     """T5 prompt length in tokens"""
     guidance_scale: float = 3.5
     """FLUX.1-dev guidance embedding (guidance-distilled: no true CFG)"""
+    cache_dir: str | None = None
+    """embedding cache root built by preprocess.py (default: $FLOWRL_CACHE/embeddings, used when it matches)"""
+    no_cache: bool = False
+    """encode prompts online with the text encoders even when a matching cache exists"""
 
     # Data and reward
     dataset: str = DEFAULT_DATASET
@@ -205,7 +210,15 @@ if __name__ == "__main__":
 
     torch.manual_seed(args.seed)
     dtype = resolve_dtype(args.dtype, device)
-    adapter = load_adapter(args.model, args.model_path, device, dtype, args.resolution, args.max_sequence_length)
+    model_path = resolve_model_path(args.model, args.model_path)
+    # With a matching embedding cache the text encoders are never loaded.
+    cache = find_cache(args.model, model_path, args.max_sequence_length, dtype,
+                       cache_texts(train_prompts, test_prompts, ADAPTERS[args.model].true_cfg),
+                       args.cache_dir, args.no_cache)
+    adapter = load_adapter(args.model, model_path, device, dtype, args.resolution, args.max_sequence_length,
+                           load_text_encoders=cache is None)
+    encode = PromptEncoder(adapter, cache)
+    accelerator.print(f"prompt embeddings: {cache.folder if cache else 'encoded online'}")
     transformer = adapter.transformer
     reference = None
     if args.full_finetune:
@@ -259,7 +272,7 @@ if __name__ == "__main__":
         with accelerator.split_between_processes(list(range(len(prompts)))) as mine:
             for start in range(0, len(mine), args.batch_size):
                 ids = mine[start:start + args.batch_size]
-                cond = adapter.encode_prompts([prompts[i].prompt for i in ids])
+                cond = encode([prompts[i].prompt for i in ids])
                 traj = rollout(adapter, cond, eval_sigmas, sample_generators(ids, device), "ode", 0.0, [], [],
                                args.guidance_scale)
                 batch_images = adapter.decode(traj.final_latents)
@@ -290,9 +303,7 @@ if __name__ == "__main__":
             sde_steps = train_steps = list(range(start, start + args.sde_window_size))
         else:  # all steps stochastic; the last (σ' = 0) is not trained
             sde_steps, train_steps = list(range(args.num_steps)), list(range(args.num_steps - 1))
-        unique = sorted({r.prompt for r in records})
-        encoded = adapter.encode_prompts(unique)
-        cond_all = {k: v[[unique.index(r.prompt) for r in records]] for k, v in encoded.items()}
+        cond_all = encode([r.prompt for r in records])
         transformer.eval()
         trajectories, images = [], []
         for b in range(num_batches):
@@ -390,6 +401,7 @@ if __name__ == "__main__":
             "rollout_time_s": rollout_time,
             "reward_time_s": reward_time,
             "train_time_s": train_time,
+            "peak_memory_gb": float(accelerator.reduce(torch.tensor(peak_memory_gb(device), device=device), "max")),
         }
         last_epoch = epoch == args.epochs - 1
         if args.eval_every and (epoch % args.eval_every == 0 or last_epoch):

@@ -5,7 +5,7 @@ decodes latents to images. Rollout and training both call `velocity`, so they ca
 Weights live in the model dtype (bf16 on GPUs); everything that leaves `velocity` is float32.
 """
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -26,16 +26,12 @@ def resolve_model_path(model: str, model_path: str | None) -> str:
     return model_path or DEFAULT_MODEL_PATHS[model]
 
 
-def _move(module, device):
-    if module is not None:
-        module.to(device)
-
-
 class FluxAdapter:
     """FLUX.1 (dev/schnell) over `FluxPipeline`'s components. Guidance-distilled: the guidance scale is an
     embedding input, not true CFG."""
 
     pipeline_class_name = "FluxPipeline"
+    true_cfg = False  # guidance is an embedding input: no negative prompts to encode
     # Attention and feed-forward projections of both block types (Flow-GRPO's FLUX LoRA targets).
     lora_target_modules = [
         "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
@@ -45,24 +41,31 @@ class FluxAdapter:
     ]
 
     def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
-                 max_sequence_length: int = 512, load_text_encoders: bool = True):
+                 max_sequence_length: int = 512, load_text_encoders: bool = True, text_only: bool = False):
         from diffusers import FluxPipeline
 
         self.device = torch.device(device)
         self.dtype = dtype
+        self.max_sequence_length = max_sequence_length
         # Frozen encoders wait on the CPU between uses when training on an accelerator.
         self.offload_device = torch.device("cpu")
         skip = {} if load_text_encoders else dict(text_encoder=None, text_encoder_2=None, tokenizer=None, tokenizer_2=None)
+        if text_only:  # preprocess.py: only the text encoders
+            skip.update(transformer=None, vae=None)
         try:
             self.pipe = FluxPipeline.from_pretrained(model_path, dtype=dtype, **skip)
         except (OSError, ValueError) as err:
             raise UserError(f"cannot load a FLUX.1 pipeline from {model_path!r}: {str(err).splitlines()[0]}") from err
         self.pipe.set_progress_bar_config(disable=True)
+        for module in (self.pipe.text_encoder, self.pipe.text_encoder_2):
+            if module is not None:
+                module.requires_grad_(False).to(self.offload_device)
+        if text_only:
+            return
         self.transformer = self.pipe.transformer.to(self.device)
         self.config = self.transformer.config
         self.vae = self.pipe.vae.to(self.device)
         self.scheduler = self.pipe.scheduler
-        self.max_sequence_length = max_sequence_length
         self.vae_scale_factor = self.pipe.vae_scale_factor
         multiple = 2 * self.vae_scale_factor  # VAE downsampling x 2x2 latent packing
         if resolution <= 0 or resolution % multiple:
@@ -73,24 +76,30 @@ class FluxAdapter:
         self.num_channels = self.config.in_channels // 4
         self.image_ids = self.pipe._prepare_latent_image_ids(
             1, self.latent_h // 2, self.latent_w // 2, self.device, dtype)
-        for module in (self.pipe.text_encoder, self.pipe.text_encoder_2, self.vae, self.transformer):
-            if module is not None:
-                module.requires_grad_(False)
+        self.vae.requires_grad_(False)
+        self.transformer.requires_grad_(False)
 
     # ----- text ---------------------------------------------------------------------------------------
+    @contextmanager
+    def text_encoders_on_device(self):
+        """Bring the frozen text encoders to the accelerator for a round of encoding, then back to the CPU."""
+        encoders = [m for m in (self.pipe.text_encoder, self.pipe.text_encoder_2) if m is not None]
+        for module in encoders:
+            module.to(self.device)
+        try:
+            yield
+        finally:
+            for module in encoders:
+                module.to(self.offload_device)
+
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """Text conditioning for a batch of prompts: batch-first tensors on the adapter's device."""
+        """Text conditioning for a batch of prompts: batch-first tensors on the adapter's device.
+        (Call inside `text_encoders_on_device()` on an accelerator, or it runs the encoders on the CPU.)"""
         if self.pipe.text_encoder is None:
             raise RuntimeError("text encoders were not loaded (training from the embedding cache)")
-        encoders = (self.pipe.text_encoder, self.pipe.text_encoder_2)
-        for module in encoders:
-            _move(module, self.device)
         prompt_embeds, pooled, _ = self.pipe.encode_prompt(
             prompt=prompts, prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length)
-        if self.device != self.offload_device:
-            for module in encoders:
-                _move(module, self.offload_device)
         return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
 
     # ----- latents and schedule -----------------------------------------------------------------------
@@ -141,7 +150,7 @@ class FluxAdapter:
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Packed latents -> images in [0, 1], float32, shape (batch, 3, H, W)."""
         latents = self.pipe._unpack_latents(latents, self.height, self.width, self.vae_scale_factor)
-        latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
+        latents = latents / self.vae.config.scaling_factor + (self.vae.config.shift_factor or 0.0)
         images = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
@@ -157,8 +166,10 @@ ADAPTERS = {"flux1": FluxAdapter}
 
 
 def load_adapter(model: str, model_path: str | None, device, dtype: torch.dtype, resolution: int,
-                 max_sequence_length: int = 512, load_text_encoders: bool = True):
+                 max_sequence_length: int = 512, load_text_encoders: bool = True, text_only: bool = False):
+    """The adapter of `model`; `load_text_encoders=False` when training from the embedding cache,
+    `text_only=True` to load nothing but the text encoders (preprocess.py)."""
     if model not in ADAPTERS:
         raise UserError(f"unknown model {model!r}; choose one of: {', '.join(ADAPTERS)}")
     path = resolve_model_path(model, model_path)
-    return ADAPTERS[model](path, device, dtype, resolution, max_sequence_length, load_text_encoders)
+    return ADAPTERS[model](path, device, dtype, resolution, max_sequence_length, load_text_encoders, text_only)

@@ -32,6 +32,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return choices[name]
 
 
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak accelerator memory allocated by torch (GPU), or the process's peak resident set size (CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
+
+
 def quiet_libraries() -> None:
     """Silence per-call progress bars and advisory warnings of diffusers/transformers."""
     import diffusers
