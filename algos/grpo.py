@@ -272,7 +272,7 @@ if __name__ == "__main__":
         with accelerator.split_between_processes(list(range(len(prompts)))) as mine:
             for start in range(0, len(mine), args.batch_size):
                 ids = mine[start:start + args.batch_size]
-                cond = encode([prompts[i].prompt for i in ids])
+                cond = encode([prompts[i] for i in ids])
                 traj = rollout(adapter, cond, eval_sigmas, sample_generators(ids, device), "ode", 0.0, [], [],
                                args.guidance_scale)
                 batch_images = adapter.decode(traj.final_latents)
@@ -303,7 +303,7 @@ if __name__ == "__main__":
             sde_steps = train_steps = list(range(start, start + args.sde_window_size))
         else:  # all steps stochastic; the last (σ' = 0) is not trained
             sde_steps, train_steps = list(range(args.num_steps)), list(range(args.num_steps - 1))
-        cond_all = encode([r.prompt for r in records])
+        cond_all = encode(records)
         transformer.eval()
         trajectories, images = [], []
         for b in range(num_batches):

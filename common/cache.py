@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from common.data import Prompt
 from common.utils import UserError
 
 CACHE_VERSION = 1  # bump whenever the encoding code changes what it stores
@@ -172,23 +173,34 @@ def find_cache(model: str, model_path: str, max_sequence_length: int, dtype: tor
 
 
 class PromptEncoder:
-    """Text conditioning for a list of prompts: from the cache when there is one, else encoded online by the
-    adapter's text encoders, one text at a time (see the module docstring). Returns batch-first tensors on
-    the adapter's device, one row per given text."""
+    """Text conditioning for a list of prompts (`common.data.Prompt` records or plain strings): from the cache
+    when there is one, else encoded online by the adapter's text encoders, one text at a time (see the module
+    docstring). Returns batch-first tensors on the adapter's device, one row per prompt. For models with true
+    CFG (`adapter.true_cfg`) the negative prompts' embeddings come too, under the keys prefixed `negative_`."""
 
     def __init__(self, adapter, cache: EmbeddingCache | None = None):
         self.adapter, self.cache = adapter, cache
 
-    def __call__(self, texts: list[str]) -> dict[str, torch.Tensor]:
-        unique = list(dict.fromkeys(texts))
+    def _table(self, texts: list[str]) -> dict[str, torch.Tensor]:
         if self.cache is not None:
-            table = self.cache.lookup(unique)
-        else:
-            with self.adapter.text_encoders_on_device():
-                encoded = [self.adapter.encode_prompts([text]) for text in unique]
-            table = {k: torch.cat([e[k] for e in encoded]) for k in encoded[0]}
-        order = torch.tensor([unique.index(text) for text in texts])
-        return {k: v[order].to(self.adapter.device) for k, v in table.items()}
+            return self.cache.lookup(texts)
+        with self.adapter.text_encoders_on_device():
+            encoded = [self.adapter.encode_prompts([text]) for text in texts]
+        return {k: torch.cat([e[k] for e in encoded]) for k in encoded[0]}
+
+    def __call__(self, prompts) -> dict[str, torch.Tensor]:
+        records = [Prompt(p) if isinstance(p, str) else p for p in prompts]
+        positives = [r.prompt for r in records]
+        negatives = [r.negative_prompt for r in records] if getattr(self.adapter, "true_cfg", False) else []
+        unique = list(dict.fromkeys(positives + negatives))
+        table = self._table(unique)
+        position = {text: i for i, text in enumerate(unique)}
+        cond = {}
+        for prefix, texts in (("", positives), ("negative_", negatives)):
+            if texts:
+                order = torch.tensor([position[t] for t in texts])
+                cond.update({prefix + k: v[order].to(self.adapter.device) for k, v in table.items()})
+        return cond
 
 
 def build_cache(accelerator, adapter, texts: list[str], root: str | Path, inputs: dict, shard_size: int = 256,
