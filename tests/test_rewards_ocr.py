@@ -5,7 +5,7 @@ import functools
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
 from rewards import load_rewards, score_samples
 from rewards.ocr import levenshtein, ocr_score, ocr_target
@@ -66,3 +66,23 @@ def test_ocr_engines_read_rendered_text(engine):
     scores = score_samples([reward], images, prompts, torch.arange(4))[:, 0].numpy()
     assert scores[0] >= 0.9 and scores[1] >= 0.9, scores
     assert scores[2] <= 0.4 and scores[3] <= 0.2, scores
+
+
+def render_scene(text: str, rng, size: int = 384) -> torch.Tensor:
+    """Light text, slightly rotated and blurred, on a noisy gradient: closer to generated scene text."""
+    background = rng.random((size, size, 3)) * 80 + np.linspace(60, 180, size)[None, :, None]
+    layer = Image.new("RGBA", (size, size), (0, 0, 0, 0))
+    colour = tuple(int(c) for c in rng.integers(180, 256, 3)) + (255,)
+    ImageDraw.Draw(layer).text((30, size // 2 - 20), text, fill=colour, font=ImageFont.load_default(size=40))
+    layer = layer.rotate(float(rng.uniform(-12, 12)), resample=Image.BICUBIC)
+    image = Image.alpha_composite(Image.fromarray(background.astype(np.uint8)).convert("RGBA"), layer)
+    image = image.convert("RGB").filter(ImageFilter.GaussianBlur(1))
+    return torch.from_numpy(np.array(image)).permute(2, 0, 1).float() / 255
+
+
+def test_default_engine_reads_scene_like_text():
+    rng = np.random.default_rng(0)
+    words = ["Fresh Bread", "No Parking", "Sale 50% Off"]
+    (reward,) = load_rewards(["ocr"])
+    scores = reward.score(torch.stack([render_scene(w, rng) for w in words]), [f'a sign: "{w}"' for w in words])
+    assert min(scores) >= 0.9, scores
