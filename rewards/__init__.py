@@ -60,8 +60,6 @@ REWARDS = {
 }
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-
-
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")  # a weight; not `nan`/`inf` (attribute names)
 
 
@@ -117,7 +115,7 @@ def _construct(factory, device, dtype, options: dict, spec: str):
     unknown = [key for key in options if key not in accepted and not takes_any]
     if unknown:
         raise UserError(f"--reward {spec!r}: unknown option {unknown[0]!r}; this reward accepts: "
-                        f"{', '.join(accepted + ['name']) }")
+                        f"{', '.join(accepted + ['name'])}")
     kwargs = {k: v for k, v in (("device", device), ("dtype", dtype)) if k in params or takes_any}
     return factory(**kwargs, **options)
 

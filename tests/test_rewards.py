@@ -6,9 +6,6 @@ groupwise rewards over two processes."""
 import gc
 import io
 import json
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -17,7 +14,7 @@ from PIL import Image
 
 from common.advantages import compute_advantages
 from common.utils import UserError
-from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script
+from conftest import ACCELERATE_2CPU, read_metrics, run_script
 from rewards import load_rewards, parse_reward_spec, score_samples
 from rewards.clip import build_tiny_clip
 
@@ -96,7 +93,7 @@ def test_reward_model_runs_in_given_dtype(clip_dir):
     assert next(half.score.model.parameters()).dtype == torch.bfloat16
     assert next(full.score.model.parameters()).dtype == torch.float32
     a, b = (score_samples([r], images, PROMPTS[:3], torch.zeros(3))[:, 0] for r in (full, half))
-    assert not torch.equal(a, b) and torch.allclose(a, b, atol=0.05)
+    assert not torch.equal(a, b) and torch.allclose(a, b, rtol=0, atol=0.05 * float(a.abs().max()))  # bf16 rounding
 
 
 def test_pickscore_rank_is_the_rank_within_each_group(clip_dir):
