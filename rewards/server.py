@@ -73,7 +73,10 @@ if __name__ == "__main__":
     from common.utils import install_user_error_hook, quiet_libraries, resolve_dtype
 
     install_user_error_hook()
-    quiet_libraries()
+    try:  # a server environment may hold only what its reward needs
+        quiet_libraries()
+    except ImportError:
+        pass
     args = tyro.cli(ServerArgs)
     device = torch.device(args.device)
     (reward,) = load_rewards([args.reward], device, resolve_dtype(args.dtype, device))
