@@ -6,6 +6,7 @@ import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
+from typing import Annotated
 
 import numpy as np
 import torch
@@ -66,8 +67,9 @@ class Args:
     # Data and reward
     dataset: str = DEFAULT_DATASET
     """folder with train/test .jsonl (field `prompt`) or .txt files"""
-    reward: list[str] = field(default_factory=lambda: ["jpeg_compressibility"])
-    """rewards as NAME[:WEIGHT], repeatable"""
+    reward: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
+    """a reward as NAME[:WEIGHT][,KEY=VALUE...] or MODULE:ATTR[:WEIGHT]; repeat the flag for several
+    (default: jpeg_compressibility)"""
     advantage_aggregation: str = "sum"
     """how several rewards combine into one advantage: sum or gdpo"""
     global_std: bool = True
@@ -203,7 +205,7 @@ if __name__ == "__main__":
         raise UserError(f"{num_batches} micro-batches per process do not split into "
                         f"--updates-per-epoch {args.updates_per_epoch} equal updates")
     train_prompts, test_prompts = load_prompts(args.dataset, "train"), load_prompts(args.dataset, "test")
-    rewards = load_rewards(args.reward, device)
+    rewards = load_rewards(args.reward or ["jpeg_compressibility"], device)
     if not args.resume and os.path.exists(os.path.join(output_dir, "metrics.jsonl")):
         raise UserError(f"{output_dir} already holds a run: pass --resume to continue it or choose another "
                         f"--output-dir")

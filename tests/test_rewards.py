@@ -332,7 +332,7 @@ def test_grpo_with_several_rewards_and_a_custom_one(tiny_flux_path, clip_dir, cu
     out = tmp_path / "run"
     run_script("algos/grpo.py", "--preset", "tiny", "--epochs", "1", "--eval-every", "0", "--output-dir", out,
                "--advantage-aggregation", "gdpo", "--reward", f"pickscore,path={clip_dir}",
-               f"pickscore_rank:0.5,path={clip_dir}", "my_rewards_mod:Brightness:2,name=bright",
+               "--reward", f"pickscore_rank:0.5,path={clip_dir}", "--reward", "my_rewards_mod:Brightness:2,name=bright",
                env={"PYTHONPATH": str(custom_module)})
     (metrics,) = read_metrics(out)
     for name in ["pickscore", "pickscore_rank", "bright"]:
