@@ -119,6 +119,14 @@ class Args:
     ema_decay: float = 0.9
     """EMA decay per optimizer step"""
 
+    # Memory
+    gradient_checkpointing: bool = False
+    """recompute transformer block activations in the backward pass (less memory, ~30% more time)"""
+    offload_trajectories: bool = False
+    """keep stored rollout steps on the CPU between rollout and training"""
+    reward_device: str = "accelerator"
+    """where reward models run: accelerator or cpu"""
+
     # Evaluation and checkpoints
     eval_every: int = 10
     """evaluate with the ODE on the test prompts every N epochs (0: never)"""
@@ -205,7 +213,10 @@ if __name__ == "__main__":
         raise UserError(f"{num_batches} micro-batches per process do not split into "
                         f"--updates-per-epoch {args.updates_per_epoch} equal updates")
     train_prompts, test_prompts = load_prompts(args.dataset, "train"), load_prompts(args.dataset, "test")
-    rewards = load_rewards(args.reward or ["jpeg_compressibility"], device)
+    if args.reward_device not in ("accelerator", "cpu"):
+        raise UserError(f"unknown --reward-device {args.reward_device!r}; choose one of: accelerator, cpu")
+    rewards = load_rewards(args.reward or ["jpeg_compressibility"], device if args.reward_device == "accelerator"
+                           else torch.device("cpu"))
     if not args.resume and os.path.exists(os.path.join(output_dir, "metrics.jsonl")):
         raise UserError(f"{output_dir} already holds a run: pass --resume to continue it or choose another "
                         f"--output-dir")
@@ -230,6 +241,8 @@ if __name__ == "__main__":
         transformer.requires_grad_(True)
     else:
         add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_target_modules)
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
     params = trainable_parameters(transformer)
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
     transformer, optimizer = accelerator.prepare(transformer, optimizer)
@@ -312,7 +325,8 @@ if __name__ == "__main__":
             mb = slice(b * args.batch_size, (b + 1) * args.batch_size)
             cond = {k: v[mb] for k, v in cond_all.items()}
             traj = rollout(adapter, cond, sigmas, sample_generators(seeds[mb], device), args.dynamics,
-                           args.noise_level, sde_steps, train_steps, args.guidance_scale)
+                           args.noise_level, sde_steps, train_steps, args.guidance_scale,
+                           store_device="cpu" if args.offload_trajectories else None)
             trajectories.append(traj)
             images.append(adapter.decode(traj.final_latents).cpu())
         rollout_time = time.time() - epoch_start
@@ -343,12 +357,13 @@ if __name__ == "__main__":
                 for i, j in enumerate(train_steps):
                     last = k == batches_per_update - 1 and i == num_train_steps - 1
                     with nullcontext() if last else accelerator.no_sync(transformer):
-                        x, x_next = traj.latents[:, i], traj.next_latents[:, i]
+                        x, x_next = traj.latents[:, i].to(device), traj.next_latents[:, i].to(device)
+                        log_prob_old = traj.log_probs[:, i].to(device)
                         v = adapter.velocity(x, sigmas[j], cond, args.guidance_scale)
                         _, log_prob, mean, std = sde_step(args.dynamics, v, x, sigmas[j], sigmas[j + 1],
                                                           args.noise_level, prev_sample=x_next)
                         # Flow-GRPO eq. (6): ratio of the new to the rollout policy's step density.
-                        ratio = torch.exp(log_prob - traj.log_probs[:, i])
+                        ratio = torch.exp(log_prob - log_prob_old)
                         unclipped = -adv * ratio
                         clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
                         policy_loss = torch.maximum(unclipped, clipped).mean()
@@ -376,7 +391,7 @@ if __name__ == "__main__":
                             ratio_dev_first = torch.maximum(ratio_dev_first, (ratio - 1).abs().max())
                         stats["loss"].append(loss.detach())
                         stats["policy_loss"].append(policy_loss.detach())
-                        stats["approx_kl"].append(0.5 * ((log_prob - traj.log_probs[:, i]) ** 2).mean())
+                        stats["approx_kl"].append(0.5 * ((log_prob - log_prob_old) ** 2).mean())
                         stats["clipfrac"].append(((ratio - 1).abs() > clip_range).float().mean())
                         stats["ratio_mean"].append(ratio.mean())
             accelerator.clip_grad_norm_(params, args.max_grad_norm)

@@ -166,3 +166,11 @@ def test_existing_run_and_nan_reward_leave_outputs_intact(two_epoch_run, tmp_pat
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1].startswith("error: reward 'broken' returned NaN")
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_memory_switches_leave_the_results_unchanged(two_epoch_run, tmp_path):
+    run_script("algos/grpo.py", *FAST, "--gradient-checkpointing", "--offload-trajectories", "--reward-device", "cpu",
+               "--output-dir", tmp_path)
+    for a, b in zip(read_metrics(tmp_path), read_metrics(two_epoch_run)):
+        for key in ("reward_mean", "loss", "eval_reward_mean", "approx_kl"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-9), key

@@ -79,3 +79,29 @@ def test_tiny_build_is_deterministic(tmp_path, monkeypatch, tiny_flux_path):
     name = "transformer/diffusion_pytorch_model.safetensors"
     a, b = load_file(rebuilt / name), load_file(tiny_flux_path / name)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_flux_path):
+    from common.training import add_lora
+
+    grads = {}
+    for checkpointing in (False, True):
+        adapter = load_adapter("flux1", str(tiny_flux_path), "cpu", torch.float32, 64, max_sequence_length=32)
+        torch.manual_seed(0)
+        add_lora(adapter.transformer, 4, 4, adapter.lora_target_modules)
+        with torch.no_grad():  # make the LoRA path non-trivial (lora_B starts at zero)
+            for name, p in adapter.transformer.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+        if checkpointing:
+            adapter.transformer.enable_gradient_checkpointing()
+        adapter.transformer.train()
+        cond = adapter.encode_prompts(["a cat", "a dog"])
+        x = adapter.noise(sample_generators([0, 1], "cpu"))
+        adapter.velocity(x, 0.6, cond).square().mean().backward()
+        grads[checkpointing] = {n: p.grad.clone() for n, p in adapter.transformer.named_parameters()
+                                if p.requires_grad}
+    assert adapter.transformer.is_gradient_checkpointing
+    assert grads[True].keys() == grads[False].keys() and len(grads[True]) > 10
+    for name in grads[False]:
+        torch.testing.assert_close(grads[True][name], grads[False][name], rtol=1e-5, atol=1e-7)
