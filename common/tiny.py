@@ -87,7 +87,171 @@ def _build_flux1(path: Path) -> None:
     pipe.save_pretrained(path, safe_serialization=True)
 
 
-TINY_BUILDERS = {"flux1": _build_flux1}
+def _tiny_sd3_vae(latent_channels: int, scaling_factor: float, shift_factor: float):
+    """A 4-block AutoencoderKL: 8x downsampling, as in the real SD3 / FLUX.1 VAEs."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=latent_channels, norm_num_groups=4,
+        down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+        block_out_channels=[8, 8, 8, 8], layers_per_block=1,
+        scaling_factor=scaling_factor, shift_factor=shift_factor, use_quant_conv=False, use_post_quant_conv=False,
+    )
+
+
+def _build_sd3(path: Path) -> None:
+    """SD3.5-Medium-like: two CLIP-with-projection encoders + T5, an MMDiT with RMS qk-norm and one
+    dual-attention block, the static-shift-3 scheduler of the real checkpoint."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    tokenizer, tokenizer_2, tokenizer_3 = tiny_clip_tokenizer(), tiny_clip_tokenizer(), tiny_t5_tokenizer()
+    torch.manual_seed(TINY_SEED)
+
+    def clip(hidden: int, projection: int):
+        return CLIPTextModelWithProjection(CLIPTextConfig(
+            vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+            num_attention_heads=2, max_position_embeddings=77, projection_dim=projection,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ))
+
+    # The two CLIP hidden sizes (16 + 16) are zero-padded up to the T5 width (32) and concatenated along the
+    # sequence; the pooled vector is both CLIP projections side by side (16 + 16 = pooled_projection_dim).
+    text_encoder, text_encoder_2 = clip(16, 16), clip(16, 16)
+    text_encoder_3 = T5EncoderModel(
+        T5Config(vocab_size=len(tokenizer_3), d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
+                 relative_attention_num_buckets=8)
+    )
+    vae = _tiny_sd3_vae(4, scaling_factor=1.5305, shift_factor=0.0609)
+    # pos_embed_max_size x patch_size x 8 = 256: the largest resolution this tiny model takes.
+    transformer = SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
+        num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32,
+        pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm",
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)  # SD3.5's scheduler config
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=scheduler, vae=vae,
+        text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+        text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3,
+    )
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
+# The words of QwenImagePipeline's chat-template prefix. With the real Qwen2 tokenizer each is ONE token, so the
+# prefix the pipeline drops (`prompt_template_encode_start_idx` = 34) is exactly the system prompt + "user\n".
+_QWEN_TEMPLATE_WORDS = (
+    "system Describe user assistant".split()
+    + ["Ġ" + w for w in "the image by detailing color shape size texture quantity text spatial relationships "
+                          "of objects and background".split()]
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which byte-level BPE vocabularies are written in."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def tiny_qwen2_tokenizer():
+    """A byte-level BPE Qwen2 tokenizer: the 256 byte symbols, merges that make each word of the Qwen-Image
+    chat template a single token (as in the real vocabulary), and the chat/vision special tokens."""
+    from transformers import Qwen2Tokenizer
+
+    vocab = {ch: i for i, ch in enumerate(_bytes_to_unicode().values())}
+    merges = []
+    for word in _QWEN_TEMPLATE_WORDS:  # left-to-right merge chain: w0+w1, (w0w1)+w2, ...
+        token = word[0]
+        for ch in word[1:]:
+            if (token, ch) not in merges:
+                merges.append((token, ch))
+            token += ch
+            vocab.setdefault(token, len(vocab))
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                "<|image_pad|>", "<|video_pad|>"]
+    for token in specials:
+        vocab[token] = len(vocab)
+    return Qwen2Tokenizer(vocab=vocab, merges=merges, additional_special_tokens=specials[1:],
+                          model_max_length=2048)
+
+
+def _build_qwen_image(path: Path) -> None:
+    """Qwen-Image-like: a 2-layer Qwen2.5-VL (with a 1-block vision tower, never used for text-to-image), the
+    QwenImage MMDiT, the Wan-style 3D VAE with 8x downsampling and the real scheduler config."""
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = tiny_qwen2_tokenizer()
+    torch.manual_seed(TINY_SEED)
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, rope_theta=1e6,
+            # mrope_section sums to head_dim / 2 = 8 (temporal, height, width rotary frequencies)
+            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+            bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+        ),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           fullatt_block_indexes=[0]),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+    )
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+    vae = AutoencoderKLQwenImage(
+        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 2.5, 1.0],
+    )
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=4 * 4, out_channels=4, num_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
+    )
+    # Qwen-Image's scheduler config: exponential resolution-dependent shift, last σ stretched to 0.02.
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
+        max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+    )
+    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                             transformer=transformer)
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
+def _build_wan(path: Path) -> None:
+    """Wan2.1-T2V-like: UMT5 encoder, the Wan 3D causal VAE (8x spatial, 4x temporal), the Wan DiT and the
+    real checkpoint's UniPC flow scheduler (flow_shift 3)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tokenizer = tiny_t5_tokenizer(max_length=512)
+    torch.manual_seed(TINY_SEED)
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(vocab_size=len(tokenizer), d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
+                   relative_attention_num_buckets=8)
+    )
+    vae = AutoencoderKLWan(
+        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 2.5, 1.0],
+    )
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+        text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=64,
+    )
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae,
+                       scheduler=scheduler)
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
+TINY_BUILDERS = {"flux1": _build_flux1, "sd3": _build_sd3, "qwen-image": _build_qwen_image, "wan": _build_wan}
 
 
 def tiny_model_path(model: str) -> Path:
