@@ -51,6 +51,9 @@ class _Adapter:
         if text_only:  # preprocess.py: only the text encoders
             skip.update(transformer=None, vae=None)
         try:
+            found = diffusers.DiffusionPipeline.load_config(model_path).get("_class_name")
+            if found != self.pipeline_class_name:
+                raise ValueError(f"its model_index.json names {found}, not {self.pipeline_class_name}")
             self.pipe = getattr(diffusers, self.pipeline_class_name).from_pretrained(model_path, dtype=dtype, **skip)
         except (OSError, ValueError) as err:
             raise UserError(f"cannot load a {self.display_name} pipeline from {model_path!r}: "
@@ -101,12 +104,17 @@ class _Adapter:
                              f"(negative_{missing[0]}): encode with common.cache.PromptEncoder")
         return True
 
-    def save_lora(self, directory: str | Path, lora_state_dict: dict[str, torch.Tensor]) -> None:
-        """Write LoRA weights in the diffusers format the matching pipeline's `load_lora_weights` reads."""
+    def save_lora(self, directory: str | Path, lora_state_dict: dict[str, torch.Tensor],
+                  adapter_name: str = "default") -> None:
+        """Write LoRA weights in the diffusers format the matching pipeline's `load_lora_weights` reads, with the
+        adapter's peft config as metadata: without it the loader assumes lora_alpha = r, which rescales any
+        LoRA trained with α ≠ r (e.g. r 64, α 128)."""
         import diffusers
 
+        peft_config = getattr(self.pipe.transformer, "peft_config", {}).get(adapter_name)  # the unwrapped module
         getattr(diffusers, self.pipeline_class_name).save_lora_weights(
-            str(directory), transformer_lora_layers=lora_state_dict, safe_serialization=True)
+            str(directory), transformer_lora_layers=lora_state_dict, safe_serialization=True,
+            transformer_lora_adapter_metadata=peft_config.to_dict() if peft_config is not None else None)
 
 
 class FluxAdapter(_Adapter):
