@@ -7,6 +7,7 @@ import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
+from typing import Annotated
 
 import torch
 import tyro
@@ -15,18 +16,19 @@ from accelerate.utils import gather, gather_object
 from tqdm import tqdm
 
 from common.advantages import AGGREGATIONS, compute_advantages
+from common.cache import PromptEncoder, cache_texts, find_cache
 from common.checkpoint import (LORA_FILE, latest_checkpoint, load_full_weights_into, load_lora_into,
                                load_training_state, save_checkpoint)
 from common.data import DEFAULT_DATASET, epoch_draw, load_prompts, sample_seeds, shard
 from common.dynamics import DYNAMICS
-from common.models import ADAPTERS, load_adapter
+from common.models import ADAPTERS, load_adapter, resolve_model_path
 from common.sampling import rollout, sample_generators
 from common.shadow import ShadowPolicy
 from common.timesampling import (TIME_SAMPLINGS, check_time_sampling, default_num_train, sample_train_noise,
                                  sample_train_sigmas, training_generators, training_seeds)
 from common.tracking import MetricsLog, format_metrics, save_image_grid
 from common.training import adapters_disabled, add_lora, trainable_parameters
-from common.utils import UserError, install_user_error_hook, quiet_libraries, resolve_dtype
+from common.utils import UserError, install_user_error_hook, peak_memory_gb, quiet_libraries, resolve_dtype
 from rewards import load_rewards, score_samples
 
 
@@ -58,14 +60,20 @@ class Args:
     """image height and width"""
     max_sequence_length: int = 512
     """T5 prompt length in tokens"""
-    guidance_scale: float = 3.5
-    """FLUX.1-dev guidance embedding, the same in rollout and training (guidance-distilled: no true CFG)"""
+    guidance_scale: float | None = None
+    """guidance-distilled models (FLUX.1-dev): the guidance embedding, 3.5 by default, the same in rollout and
+    training; true-CFG models (SD3.5, Qwen-Image, Wan) run CFG-free (1.0), as DiffusionNFT is CFG-free"""
+    cache_dir: str | None = None
+    """embedding cache root built by preprocess.py (default: $FLOWRL_CACHE/embeddings, used when it matches)"""
+    no_cache: bool = False
+    """encode prompts online with the text encoders even when a matching cache exists"""
 
     # Data and reward
     dataset: str = DEFAULT_DATASET
     """folder with train/test .jsonl (field `prompt`) or .txt files"""
-    reward: list[str] = field(default_factory=lambda: ["jpeg_compressibility"])
-    """rewards as NAME[:WEIGHT], repeatable"""
+    reward: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
+    """a reward as NAME[:WEIGHT][,KEY=VALUE...] or MODULE:ATTR[:WEIGHT]; repeat the flag for several
+    (default: jpeg_compressibility)"""
     advantage_aggregation: str = "sum"
     """how several rewards combine into one advantage: sum or gdpo"""
     global_std: bool = True
@@ -120,6 +128,12 @@ class Args:
     """LoRA alpha (128 FLUX, 64 SD3.5)"""
     full_finetune: bool = False
     """train all transformer weights instead of a LoRA (θ_old and the reference become frozen copies)"""
+
+    # Memory
+    gradient_checkpointing: bool = False
+    """recompute transformer block activations in the backward pass (less memory, ~30% more time)"""
+    reward_device: str = "accelerator"
+    """where reward models run: accelerator or cpu"""
 
     # Evaluation and checkpoints
     eval_every: int = 10
@@ -231,6 +245,11 @@ if __name__ == "__main__":
         raise UserError("the θ_old decay needs --decay-flat >= 0, --decay-uprate >= 0 and --decay-uphold in [0, 1]")
     if args.time_sampling not in TIME_SAMPLINGS:
         raise UserError(f"unknown --time-sampling {args.time_sampling!r}; choose one of: {', '.join(TIME_SAMPLINGS)}")
+    true_cfg = ADAPTERS[args.model].true_cfg
+    if true_cfg and args.guidance_scale is not None and args.guidance_scale > 1:
+        raise UserError(f"DiffusionNFT is CFG-free: --guidance-scale {args.guidance_scale} would turn on true CFG "
+                        f"for {args.model}; leave it unset (1.0)")
+    guidance = args.guidance_scale if args.guidance_scale is not None else (1.0 if true_cfg else 3.5)
     lr = args.learning_rate or (1e-5 if args.full_finetune else 3e-4)
     output_dir = args.output_dir or f"runs/{args.exp_name}-{args.seed}"
 
@@ -247,14 +266,24 @@ if __name__ == "__main__":
         raise UserError(f"{num_batches} micro-batches per process do not split into "
                         f"--updates-per-epoch {args.updates_per_epoch} equal updates")
     train_prompts, test_prompts = load_prompts(args.dataset, "train"), load_prompts(args.dataset, "test")
-    rewards = load_rewards(args.reward, device)
+    if args.reward_device not in ("accelerator", "cpu"):
+        raise UserError(f"unknown --reward-device {args.reward_device!r}; choose one of: accelerator, cpu")
+    rewards = load_rewards(args.reward or ["jpeg_compressibility"], device if args.reward_device == "accelerator"
+                           else torch.device("cpu"))
     if not args.resume and os.path.exists(os.path.join(output_dir, "metrics.jsonl")):
         raise UserError(f"{output_dir} already holds a run: pass --resume to continue it or choose another "
                         f"--output-dir")
 
     torch.manual_seed(args.seed)
     dtype = resolve_dtype(args.dtype, device)
-    adapter = load_adapter(args.model, args.model_path, device, dtype, args.resolution, args.max_sequence_length)
+    model_path = resolve_model_path(args.model, args.model_path)
+    # With a matching embedding cache the text encoders are never loaded.
+    cache = find_cache(args.model, model_path, args.max_sequence_length, dtype,
+                       cache_texts(train_prompts, test_prompts, true_cfg), args.cache_dir, args.no_cache)
+    adapter = load_adapter(args.model, model_path, device, dtype, args.resolution, args.max_sequence_length,
+                           load_text_encoders=cache is None)
+    encode = PromptEncoder(adapter, cache)
+    accelerator.print(f"prompt embeddings: {cache.folder if cache else 'encoded online'}")
     sigmas = adapter.sigmas(args.num_steps)
     num_train = args.train_timesteps or default_num_train(args.time_sampling, sigmas, args.timestep_range)
     check_time_sampling(args.time_sampling, num_train, sigmas, args.timestep_range)
@@ -267,6 +296,8 @@ if __name__ == "__main__":
         transformer.requires_grad_(True)
     else:
         add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_target_modules)
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
     params = trainable_parameters(transformer)
     # θ_old: a second LoRA adapter "old" (or a frozen copy), equal to θ at the start. Made before `prepare`,
     # so DDP only registers the trained adapter's parameters.
@@ -305,17 +336,17 @@ if __name__ == "__main__":
         if reference is not None:
             adapter.transformer = reference
             try:
-                return adapter.velocity(x, sigma, cond, args.guidance_scale)
+                return adapter.velocity(x, sigma, cond, guidance)
             finally:
                 adapter.transformer = transformer
         with adapters_disabled(unwrapped):
-            return adapter.velocity(x, sigma, cond, args.guidance_scale)
+            return adapter.velocity(x, sigma, cond, guidance)
 
     def generate(cond, generators, dynamics, step_sigmas):
         """Clean latents x0 of one micro-batch (only the final sample is kept: no trajectory is stored)."""
         sde_steps = [] if dynamics == "ode" else list(range(len(step_sigmas) - 1))
         return rollout(adapter, cond, step_sigmas, generators, dynamics, args.noise_level, sde_steps, [],
-                       args.guidance_scale).final_latents
+                       guidance).final_latents
 
     def evaluate(epoch: int) -> dict:
         """ODE samples of the test prompts at fixed seeds (the same for every run): reward mean and a grid."""
@@ -326,7 +357,7 @@ if __name__ == "__main__":
         with accelerator.split_between_processes(list(range(len(prompts)))) as mine:
             for start in range(0, len(mine), args.batch_size):
                 ids = mine[start:start + args.batch_size]
-                cond = adapter.encode_prompts([prompts[i].prompt for i in ids])
+                cond = encode([prompts[i] for i in ids])
                 batch_images = adapter.decode(generate(cond, sample_generators(ids, device), "ode", eval_sigmas))
                 raw = score_samples(pointwise, batch_images, [prompts[i].prompt for i in ids],
                                     torch.tensor([prompts[i].key for i in ids]))
@@ -351,9 +382,7 @@ if __name__ == "__main__":
         time_seeds = training_seeds(args.seed, epoch, samples_per_epoch)[local]
         records = [train_prompts[i] for i in draw[local]]
         group_ids = torch.tensor([r.key for r in records])
-        unique = sorted({r.prompt for r in records})
-        encoded = adapter.encode_prompts(unique)
-        cond_all = {k: v[[unique.index(r.prompt) for r in records]] for k, v in encoded.items()}
+        cond_all = encode(records)
         transformer.eval()
         clean, images = [], []
         with old.active(adapter):
@@ -398,10 +427,10 @@ if __name__ == "__main__":
                     x_sigma = (1 - sig) * x0 + sig * train_noise[:, i]  # forward process, target v* = ε − x0
                     with torch.no_grad():  # the frozen policies first, so adapter switches never touch a graph
                         with old.active(adapter):
-                            v_old = adapter.velocity(x_sigma, sigma, cond, args.guidance_scale)
+                            v_old = adapter.velocity(x_sigma, sigma, cond, guidance)
                         v_ref = reference_velocity(x_sigma, sigma, cond) if args.kl_beta > 0 else None
                     with nullcontext() if last else accelerator.no_sync(transformer):
-                        v_theta = adapter.velocity(x_sigma, sigma, cond, args.guidance_scale)
+                        v_theta = adapter.velocity(x_sigma, sigma, cond, guidance)
                         policy_loss, loss_pos, loss_neg = nft_loss(v_theta, v_old, x_sigma, x0, sigma, adv,
                                                                    args.nft_beta, args.adv_clip_max)
                         loss = policy_loss
@@ -440,6 +469,7 @@ if __name__ == "__main__":
             "rollout_time_s": rollout_time,
             "reward_time_s": reward_time,
             "train_time_s": train_time,
+            "peak_memory_gb": float(accelerator.reduce(torch.tensor(peak_memory_gb(device), device=device), "max")),
         }
         last_epoch = epoch == args.epochs - 1
         if args.eval_every and (epoch % args.eval_every == 0 or last_epoch):

@@ -12,7 +12,7 @@ from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script
 
 TINY = ["--preset", "tiny"]
 FAST = TINY + ["--epochs", "2", "--eval-every", "1", "--eval-num-prompts", "2", "--kl-beta", "1e-4"]
-TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s"}
+TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "peak_memory_gb"}  # measured
 
 
 def _script():
@@ -244,6 +244,7 @@ def _error_of(*args):
     (["--dynamics", "langevin"], "unknown dynamics 'langevin'; choose one of: ode, flow-sde, dance-sde, cps"),
     (["--train-timesteps", "7"], "--train-timesteps 7 exceeds the 6 rollout steps that discrete may pick"),
     (["--preset", "huge"], "unknown preset 'huge'; choose one of: none, tiny, flux1, flux1-ocr"),
+    (["--model", "sd3", "--guidance-scale", "4.5"], "DiffusionNFT is CFG-free: --guidance-scale 4.5 would turn on"),
 ])
 def test_bad_input_gives_one_line_error(tmp_path, flags, message):
     assert message in _error_of(*TINY, "--epochs", "1", "--output-dir", tmp_path / "out", *flags)
