@@ -6,6 +6,7 @@ import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
+from typing import Annotated
 
 import torch
 import tyro
@@ -14,15 +15,16 @@ from accelerate.utils import gather, gather_object
 from tqdm import tqdm
 
 from common.advantages import AGGREGATIONS, compute_advantages
+from common.cache import PromptEncoder, cache_texts, find_cache
 from common.checkpoint import (LORA_FILE, latest_checkpoint, load_full_weights_into, load_lora_into,
                                load_training_state, save_checkpoint)
 from common.data import DEFAULT_DATASET, epoch_draw, load_prompts, sample_seeds, shard
 from common.dynamics import sde_step
-from common.models import ADAPTERS, load_adapter
+from common.models import ADAPTERS, load_adapter, resolve_model_path
 from common.sampling import rollout, sample_generators
 from common.tracking import MetricsLog, format_metrics, save_image_grid
 from common.training import EMA, adapters_disabled, add_lora, trainable_parameters
-from common.utils import UserError, install_user_error_hook, quiet_libraries, resolve_dtype
+from common.utils import UserError, install_user_error_hook, peak_memory_gb, quiet_libraries, resolve_dtype
 from rewards import load_rewards, score_samples
 
 
@@ -56,12 +58,17 @@ class Args:
     """T5 prompt length in tokens"""
     guidance_scale: float = 3.5
     """FLUX.1-dev guidance embedding (guidance-distilled: no true CFG)"""
+    cache_dir: str | None = None
+    """embedding cache root built by preprocess.py (default: $FLOWRL_CACHE/embeddings, used when it matches)"""
+    no_cache: bool = False
+    """encode prompts online with the text encoders even when a matching cache exists"""
 
     # Data and reward
     dataset: str = DEFAULT_DATASET
     """folder with train/test .jsonl (field `prompt`) or .txt files"""
-    reward: list[str] = field(default_factory=lambda: ["jpeg_compressibility"])
-    """rewards as NAME[:WEIGHT], repeatable"""
+    reward: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
+    """a reward as NAME[:WEIGHT][,KEY=VALUE...] or MODULE:ATTR[:WEIGHT]; repeat the flag for several
+    (default: jpeg_compressibility)"""
     advantage_aggregation: str = "sum"
     """how several rewards combine into one advantage: sum or gdpo"""
     global_std: bool = True
@@ -106,6 +113,14 @@ class Args:
     """keep an EMA of the trained weights and evaluate with it"""
     ema_decay: float = 0.9
     """EMA decay per optimizer step"""
+
+    # Memory
+    gradient_checkpointing: bool = False
+    """recompute transformer block activations in the backward pass (less memory, ~30% more time)"""
+    offload_trajectories: bool = False
+    """keep stored rollout steps on the CPU between rollout and training"""
+    reward_device: str = "accelerator"
+    """where reward models run: accelerator or cpu"""
 
     # Evaluation and checkpoints
     eval_every: int = 10
@@ -197,14 +212,25 @@ if __name__ == "__main__":
         raise UserError(f"{num_batches} micro-batches per process do not split into "
                         f"--updates-per-epoch {args.updates_per_epoch} equal updates")
     train_prompts, test_prompts = load_prompts(args.dataset, "train"), load_prompts(args.dataset, "test")
-    rewards = load_rewards(args.reward, device)
+    if args.reward_device not in ("accelerator", "cpu"):
+        raise UserError(f"unknown --reward-device {args.reward_device!r}; choose one of: accelerator, cpu")
+    rewards = load_rewards(args.reward or ["jpeg_compressibility"], device if args.reward_device == "accelerator"
+                           else torch.device("cpu"))
     if not args.resume and os.path.exists(os.path.join(output_dir, "metrics.jsonl")):
         raise UserError(f"{output_dir} already holds a run: pass --resume to continue it or choose another "
                         f"--output-dir")
 
     torch.manual_seed(args.seed)
     dtype = resolve_dtype(args.dtype, device)
-    adapter = load_adapter(args.model, args.model_path, device, dtype, args.resolution, args.max_sequence_length)
+    model_path = resolve_model_path(args.model, args.model_path)
+    # With a matching embedding cache the text encoders are never loaded.
+    cache = find_cache(args.model, model_path, args.max_sequence_length, dtype,
+                       cache_texts(train_prompts, test_prompts, ADAPTERS[args.model].true_cfg),
+                       args.cache_dir, args.no_cache)
+    adapter = load_adapter(args.model, model_path, device, dtype, args.resolution, args.max_sequence_length,
+                           load_text_encoders=cache is None)
+    encode = PromptEncoder(adapter, cache)
+    accelerator.print(f"prompt embeddings: {cache.folder if cache else 'encoded online'}")
     transformer = adapter.transformer
     reference = None
     if args.full_finetune:
@@ -214,6 +240,8 @@ if __name__ == "__main__":
         transformer.requires_grad_(True)
     else:
         add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_target_modules)
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
     params = trainable_parameters(transformer)
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
     transformer, optimizer = accelerator.prepare(transformer, optimizer)
@@ -258,7 +286,7 @@ if __name__ == "__main__":
         with accelerator.split_between_processes(list(range(len(prompts)))) as mine:
             for start in range(0, len(mine), args.batch_size):
                 ids = mine[start:start + args.batch_size]
-                cond = adapter.encode_prompts([prompts[i].prompt for i in ids])
+                cond = encode([prompts[i] for i in ids])
                 traj = rollout(adapter, cond, eval_sigmas, sample_generators(ids, device), "ode", 0.0, [], [],
                                args.guidance_scale)
                 batch_images = adapter.decode(traj.final_latents)
@@ -286,9 +314,7 @@ if __name__ == "__main__":
         group_ids = torch.tensor([r.key for r in records])
         # all steps stochastic; the last (σ' = 0) is not trained
         sde_steps, train_steps = list(range(args.num_steps)), list(range(args.num_steps - 1))
-        unique = sorted({r.prompt for r in records})
-        encoded = adapter.encode_prompts(unique)
-        cond_all = {k: v[[unique.index(r.prompt) for r in records]] for k, v in encoded.items()}
+        cond_all = encode(records)
         transformer.eval()
         trajectories, images = [], []
         for b in range(num_batches):
@@ -296,7 +322,8 @@ if __name__ == "__main__":
             cond = {k: v[mb] for k, v in cond_all.items()}
             # keep_means: the regulated ratio needs μ_old of every trained step
             traj = rollout(adapter, cond, sigmas, sample_generators(seeds[mb], device), args.dynamics,
-                           args.noise_level, sde_steps, train_steps, args.guidance_scale, keep_means=True)
+                           args.noise_level, sde_steps, train_steps, args.guidance_scale, keep_means=True,
+                           store_device="cpu" if args.offload_trajectories else None)
             trajectories.append(traj)
             images.append(adapter.decode(traj.final_latents).cpu())
         rollout_time = time.time() - epoch_start
@@ -328,13 +355,14 @@ if __name__ == "__main__":
                 for i, j in enumerate(train_steps):
                     last = k == batches_per_update - 1 and i == num_train_steps - 1
                     with nullcontext() if last else accelerator.no_sync(transformer):
-                        x, x_next = traj.latents[:, i], traj.next_latents[:, i]
+                        x, x_next = traj.latents[:, i].to(device), traj.next_latents[:, i].to(device)
+                        log_prob_old, mean_old = traj.log_probs[:, i].to(device), traj.means[:, i].to(device)
                         v = adapter.velocity(x, sigmas[j], cond, args.guidance_scale)
                         _, log_prob, mean, std = sde_step(args.dynamics, v, x, sigmas[j], sigmas[j + 1],
                                                           args.noise_level, prev_sample=x_next)
                         # GRPO-Guard's regulated ratio: exp(S·(logp − logp_old) + ‖μ_θ − μ_old‖²/(2S)), computed
                         # in the equal, cancellation-free form exp(mean(z ⊙ (μ_θ − μ_old))), z the rollout noise.
-                        ratio = torch.exp(regulated_log_ratio(x_next, mean, traj.means[:, i], std))
+                        ratio = torch.exp(regulated_log_ratio(x_next, mean, mean_old, std))
                         unclipped = -adv * ratio
                         clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
                         policy_loss = torch.maximum(unclipped, clipped).mean()
@@ -362,10 +390,10 @@ if __name__ == "__main__":
                             ratio_dev_first = torch.maximum(ratio_dev_first, (ratio - 1).abs().max())
                         stats["loss"].append(loss.detach())
                         stats["policy_loss"].append(policy_loss.detach())
-                        stats["approx_kl"].append(0.5 * ((log_prob - traj.log_probs[:, i]) ** 2).mean())
+                        stats["approx_kl"].append(0.5 * ((log_prob - log_prob_old) ** 2).mean())
                         stats["clipfrac"].append(((ratio - 1).abs() > clip_range).float().mean())
                         stats["ratio_mean"].append(ratio.mean())
-                        stats["raw_ratio_mean"].append(torch.exp(log_prob - traj.log_probs[:, i]).mean())
+                        stats["raw_ratio_mean"].append(torch.exp(log_prob - log_prob_old).mean())
             accelerator.clip_grad_norm_(params, args.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -390,6 +418,7 @@ if __name__ == "__main__":
             "rollout_time_s": rollout_time,
             "reward_time_s": reward_time,
             "train_time_s": train_time,
+            "peak_memory_gb": float(accelerator.reduce(torch.tensor(peak_memory_gb(device), device=device), "max")),
         }
         last_epoch = epoch == args.epochs - 1
         if args.eval_every and (epoch % args.eval_every == 0 or last_epoch):
