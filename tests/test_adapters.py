@@ -156,7 +156,7 @@ def test_saved_lora_loads_into_the_pipeline_and_reproduces_our_model(paths, mode
     assert (theirs - base).abs().max() > 0.01
 
 
-@pytest.mark.parametrize("model", ["qwen-image", "sd3"])
+@pytest.mark.parametrize("model", MODELS)
 def test_cached_embeddings_with_negatives_are_bitwise_equal_and_train_without_encoders(adapters, paths, model,
                                                                                       tmp_path):
     from accelerate import Accelerator
