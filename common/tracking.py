@@ -39,7 +39,9 @@ def format_metrics(metrics: dict, keys) -> str:
 
 
 def save_image_grid(images: torch.Tensor, path: str | Path, columns: int | None = None) -> None:
-    """images (B, 3, H, W) in [0, 1] -> one PNG grid."""
+    """images (B, 3, H, W) in [0, 1] -> one PNG grid; videos (B, F, 3, H, W) show their middle frame."""
+    if images.ndim == 5:
+        images = images[:, images.shape[1] // 2]
     count, _, height, width = images.shape
     columns = columns or math.ceil(math.sqrt(count))
     rows = math.ceil(count / columns)

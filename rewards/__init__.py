@@ -158,7 +158,10 @@ def load_rewards(specs: list[str], device=None, dtype=torch.float32) -> list[Rew
 
 def call_reward(reward: Reward, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     """Scores of one call as float64 (B,), off the graph; any failure becomes a one-line UserError naming
-    the reward (with where it was raised, since the traceback is not printed)."""
+    the reward (with where it was raised, since the traceback is not printed). Video (B, F, 3, H, W): every
+    frame index is scored as one batch of images and the scores are averaged over frames."""
+    if images.ndim == 5:
+        return torch.stack([call_reward(reward, images[:, f], prompts) for f in range(images.shape[1])]).mean(0)
     count = len(prompts)
     try:
         with torch.no_grad():

@@ -346,3 +346,15 @@ def test_reward_error_in_a_script_is_one_line(tiny_flux_path, custom_module, tmp
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(
         "error: reward 'Raises' raised KeyError at my_rewards_mod.py:")
+
+
+def test_video_rewards_score_every_frame_and_average():
+    from rewards.jpeg import jpeg_kilobytes
+
+    video = torch.rand(3, 5, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    video[1] = 0.5  # a flat clip compresses best
+    (reward,) = load_rewards(["jpeg_compressibility"])
+    scores = score_samples([reward], video, ["a", "b", "c"], torch.tensor([1, 1, 2]))[:, 0]
+    expected = [-np.mean([jpeg_kilobytes(video[b, f:f + 1])[0] for f in range(5)]) for b in range(3)]
+    np.testing.assert_allclose(scores.numpy(), expected, rtol=1e-12)
+    assert scores[1] > scores[0]
