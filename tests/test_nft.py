@@ -202,7 +202,10 @@ def test_reward_rises_on_tiny_flux(tmp_path, flags):
 
 
 def test_resume_equals_the_uninterrupted_run(tmp_path):
-    args = TINY + ["--epochs", "4", "--save-every", "1", "--eval-every", "2", "--eval-num-prompts", "2"]
+    """Also a θ_old schedule that moves every epoch: 2 optimizer steps per epoch, so k = 2, 4, 6, 8 and
+    d = 0 (k ≤ flat 2), 0.25·(4 − 2) = 0.5, then the cap 0.6."""
+    args = TINY + ["--epochs", "4", "--save-every", "1", "--eval-every", "2", "--eval-num-prompts", "2",
+                   "--updates-per-epoch", "2", "--decay-flat", "2", "--decay-uprate", "0.25", "--decay-uphold", "0.6"]
     run_script("algos/nft.py", *args, "--output-dir", tmp_path / "full")
     run_script("algos/nft.py", *args, "--epochs", "2", "--output-dir", tmp_path / "split")
     run_script("algos/nft.py", *args, "--resume", "--output-dir", tmp_path / "split")
@@ -211,6 +214,7 @@ def test_resume_equals_the_uninterrupted_run(tmp_path):
     assert [m["epoch"] for m in split] == [0, 1, 2, 3]
     split[1].pop("eval_reward_mean"), split[1].pop("eval_reward_jpeg_compressibility")  # the first part's last epoch
     assert split == full and "eval_reward_mean" in split[2]
+    assert [m["old_decay"] for m in full] == [0.0, 0.5, 0.6, 0.6]
 
 
 def test_two_processes(tmp_path):
