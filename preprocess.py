@@ -58,3 +58,4 @@ if __name__ == "__main__":
         folder = build_cache(accelerator, adapter, texts, root, inputs, args.shard_size)
         accelerator.print(f"encoded {len(texts)} texts on {accelerator.num_processes} process(es) in "
                           f"{time.time() - start:.1f} s -> {folder}")
+    accelerator.end_training()

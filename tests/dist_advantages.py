@@ -20,3 +20,4 @@ ids = torch.tensor(data["ids"])[mine]
 all_values, all_ids = gather(values), gather(ids)
 advantages, _ = compute_advantages(all_values, [1.0, 0.5], all_ids, "sum", global_std=True, clip=5.0)
 np.save(f"{out}/adv_{accelerator.process_index}.npy", advantages[mine].numpy())
+accelerator.end_training()  # destroys the process group: a live gloo group can abort the exit

@@ -45,3 +45,4 @@ if __name__ == "__main__":
         with open(out, "w") as f:
             json.dump(result, f)
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # destroys the process group: a live gloo group can abort the exit

@@ -128,7 +128,7 @@ def _error_of(*args, **kwargs):
 
 @pytest.mark.parametrize("flags,message", [
     (["--model", "sd9"], "unknown model 'sd9'; choose one of: flux1"),
-    (["--reward", "beauty"], "unknown reward 'beauty'; choose from: jpeg_compressibility"),
+    (["--reward", "beauty"], "unknown reward 'beauty'; choose from: aesthetic, clip, jpeg_compressibility"),
     (["--dynamics", "langevin"], "unknown dynamics 'langevin'; choose one of: flow-sde, dance-sde, cps"),
     (["--dynamics", "ode"], "--dynamics ode cannot be used with GRPO: the ODE step is deterministic"),
     (["--dataset", "/nonexistent/prompts"], "dataset folder '/nonexistent/prompts' does not exist"),
