@@ -57,8 +57,10 @@ class Args:
     """image height and width"""
     max_sequence_length: int = 512
     """T5 prompt length in tokens"""
-    guidance_scale: float = 3.5
-    """FLUX.1-dev guidance embedding (guidance-distilled: no true CFG)"""
+    num_frames: int | None = None
+    """frames of a video model (wan: 4k + 1, default 33); leave unset for image models"""
+    guidance_scale: float | None = None
+    """guidance: FLUX.1's embedding input, the true CFG scale of the others (default: the model's reference value)"""
     cache_dir: str | None = None
     """embedding cache root built by preprocess.py (default: $FLOWRL_CACHE/embeddings, used when it matches)"""
     no_cache: bool = False
@@ -229,7 +231,8 @@ if __name__ == "__main__":
                        cache_texts(train_prompts, test_prompts, ADAPTERS[args.model].true_cfg),
                        args.cache_dir, args.no_cache)
     adapter = load_adapter(args.model, model_path, device, dtype, args.resolution, args.max_sequence_length,
-                           load_text_encoders=cache is None)
+                           load_text_encoders=cache is None, num_frames=args.num_frames)
+    guidance = args.guidance_scale if args.guidance_scale is not None else adapter.default_guidance_scale
     encode = PromptEncoder(adapter, cache)
     accelerator.print(f"prompt embeddings: {cache.folder if cache else 'encoded online'}")
     transformer = adapter.transformer
@@ -289,7 +292,7 @@ if __name__ == "__main__":
                 ids = mine[start:start + args.batch_size]
                 cond = encode([prompts[i] for i in ids])
                 traj = rollout(adapter, cond, eval_sigmas, sample_generators(ids, device), "ode", 0.0, [], [],
-                               args.guidance_scale)
+                               guidance)
                 batch_images = adapter.decode(traj.final_latents)
                 raw = score_samples(pointwise, batch_images, [prompts[i].prompt for i in ids],
                                     torch.tensor([prompts[i].key for i in ids]))
@@ -325,7 +328,7 @@ if __name__ == "__main__":
             mb = slice(b * args.batch_size, (b + 1) * args.batch_size)
             cond = {k: v[mb] for k, v in cond_all.items()}
             traj = rollout(adapter, cond, sigmas, sample_generators(seeds[mb], device), args.dynamics,
-                           args.noise_level, sde_steps, train_steps, args.guidance_scale,
+                           args.noise_level, sde_steps, train_steps, guidance,
                            store_device="cpu" if args.offload_trajectories else None)
             trajectories.append(traj)
             images.append(adapter.decode(traj.final_latents).cpu())
@@ -359,7 +362,7 @@ if __name__ == "__main__":
                     with nullcontext() if last else accelerator.no_sync(transformer):
                         x, x_next = traj.latents[:, i].to(device), traj.next_latents[:, i].to(device)
                         log_prob_old = traj.log_probs[:, i].to(device)
-                        v = adapter.velocity(x, sigmas[j], cond, args.guidance_scale)
+                        v = adapter.velocity(x, sigmas[j], cond, guidance)
                         _, log_prob, mean, std = sde_step(args.dynamics, v, x, sigmas[j], sigmas[j + 1],
                                                           args.noise_level, prev_sample=x_next)
                         # Flow-GRPO eq. (6): ratio of the new to the rollout policy's step density.
@@ -374,11 +377,11 @@ if __name__ == "__main__":
                             with torch.no_grad():
                                 if reference is not None:
                                     adapter.transformer = reference
-                                    v_ref = adapter.velocity(x, sigmas[j], cond, args.guidance_scale)
+                                    v_ref = adapter.velocity(x, sigmas[j], cond, guidance)
                                     adapter.transformer = transformer
                                 else:
                                     with adapters_disabled(unwrapped):
-                                        v_ref = adapter.velocity(x, sigmas[j], cond, args.guidance_scale)
+                                        v_ref = adapter.velocity(x, sigmas[j], cond, guidance)
                                 _, _, mean_ref, _ = sde_step(args.dynamics, v_ref, x, sigmas[j], sigmas[j + 1],
                                                              args.noise_level, prev_sample=x_next)
                             s = std / torch.sqrt(sigmas[j] - sigmas[j + 1])

@@ -62,6 +62,8 @@ class Args:
     """image height and width"""
     max_sequence_length: int = 512
     """T5 prompt length in tokens"""
+    num_frames: int | None = None
+    """frames of a video model (wan: 4k + 1, default 33); leave unset for image models"""
     guidance_scale: float | None = None
     """guidance-distilled models (FLUX.1-dev): the guidance embedding, 3.5 by default, the same in rollout and
     training; true-CFG models (SD3.5, Qwen-Image, Wan) run CFG-free (1.0), as DiffusionNFT is CFG-free"""
@@ -284,7 +286,7 @@ if __name__ == "__main__":
     cache = find_cache(args.model, model_path, args.max_sequence_length, dtype,
                        cache_texts(train_prompts, test_prompts, true_cfg), args.cache_dir, args.no_cache)
     adapter = load_adapter(args.model, model_path, device, dtype, args.resolution, args.max_sequence_length,
-                           load_text_encoders=cache is None)
+                           load_text_encoders=cache is None, num_frames=args.num_frames)
     encode = PromptEncoder(adapter, cache)
     accelerator.print(f"prompt embeddings: {cache.folder if cache else 'encoded online'}")
     sigmas = adapter.sigmas(args.num_steps)

@@ -125,6 +125,7 @@ class FluxAdapter(_Adapter):
     display_name = "FLUX.1"
     text_components = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
     true_cfg = False  # guidance is an embedding input: no negative prompts to encode
+    default_guidance_scale = 3.5  # FLUX.1-dev's guidance embedding (Flow-GRPO)
     # Attention and feed-forward projections of both block types (Flow-GRPO's FLUX LoRA targets).
     lora_target_modules = [
         "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
@@ -215,6 +216,7 @@ class SD3Adapter(_Adapter):
     that takes diffusers' timestep 1000·σ, true classifier-free guidance with negative prompts."""
 
     pipeline_class_name = "StableDiffusion3Pipeline"
+    default_guidance_scale = 4.5  # true CFG scale of the references (SD3.5-M, Flow-GRPO)
     display_name = "SD3"
     text_components = ("text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3")
     true_cfg = True
@@ -310,6 +312,7 @@ class QwenImageAdapter(_Adapter):
     batch uses and masks the rest, so padded tokens never reach the image tokens."""
 
     pipeline_class_name = "QwenImagePipeline"
+    default_guidance_scale = 4.0  # true CFG scale of the references (Qwen-Image, Flow-GRPO)
     display_name = "Qwen-Image"
     text_components = ("text_encoder", "tokenizer")
     true_cfg = True
@@ -418,6 +421,7 @@ class WanAdapter(_Adapter):
     The transformer sees the scheduler's integer timestep, ⌊1000·σ⌋, capped at 999 as UniPC's is."""
 
     pipeline_class_name = "WanPipeline"
+    default_guidance_scale = 4.5  # true CFG scale of the references (Wan2.1, Flow-GRPO)
     display_name = "Wan"
     text_components = ("text_encoder", "tokenizer")
     true_cfg = True
