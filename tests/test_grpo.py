@@ -174,3 +174,10 @@ def test_memory_switches_leave_the_results_unchanged(two_epoch_run, tmp_path):
     for a, b in zip(read_metrics(tmp_path), read_metrics(two_epoch_run)):
         for key in ("reward_mean", "loss", "eval_reward_mean", "approx_kl"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-9), key
+
+
+def test_track_logs_the_metrics_to_wandb_offline(tmp_path):
+    run_script("algos/grpo.py", *FAST, "--epochs", "1", "--track", "--output-dir", tmp_path / "out",
+               env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
+    (run,) = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert list(run.glob("run-*.wandb")) and read_metrics(tmp_path / "out")[0]["epoch"] == 0
