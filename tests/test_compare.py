@@ -1,0 +1,132 @@
+"""benchmarks/compare.py end to end on a 1-seed, 2-epoch smoke setting: the table's numbers against a
+computation of our own from the runs' metrics.jsonl, and the plot."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from conftest import REPO, read_metrics, run_script
+
+COLUMNS = ["algorithm", "final reward", "reached", "epochs to threshold", "time to threshold (s)",
+           "rollout s/epoch", "reward s/epoch", "train s/epoch", "epoch s", "run wall s"]
+SMOKE = ["--algos", "grpo", "nft", "--seeds", "1", "--budget", "32", "--eval-every", "1", "--warmup", "1",
+         "--start-points", "1", "--smooth", "1", "--threshold-gain", "0.15"]
+
+
+def parse_table(text: str) -> dict[str, dict[str, str]]:
+    rows = [line for line in text.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert header == COLUMNS
+    assert set(rows[1].replace("|", "")) == {"-"}
+    table = {}
+    for line in rows[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert len(cells) == len(COLUMNS)
+        table[cells[0]] = dict(zip(COLUMNS, cells))
+    return table
+
+
+def check_cell(cell: str, values: list[float]):
+    """A `mean ± std` cell against the values over seeds (the table rounds to 3 decimals)."""
+    if not values:
+        assert cell == "–"
+        return
+    mean, std = (float(x) for x in cell.split("±"))
+    assert abs(mean - np.mean(values)) <= 5e-4 + 1e-9 and abs(std - np.std(values)) <= 5e-4 + 1e-9, (cell, values)
+
+
+def expected(metrics: list[dict], threshold: float, warmup: int, samples_per_epoch: int) -> dict:
+    """Our own reading of one run: eval points, training seconds so far, and the threshold crossing."""
+    seconds, points = 0.0, []
+    for m in metrics:
+        seconds += m["rollout_time_s"] + m["reward_time_s"] + m["train_time_s"]
+        if "eval_reward_mean" in m:
+            points.append((m["eval_reward_mean"], seconds, m["epoch"] + 1))
+    n_final = max(1, math.ceil(len(points) / 10))
+    crossing = next((p for p in points if p[0] >= threshold), None)  # --smooth 1: the points themselves
+    timed = metrics[warmup:]
+    return {
+        "final": sum(p[0] for p in points[-n_final:]) / n_final,
+        "epochs_to": [crossing[2]] if crossing else [],
+        "time_to": [crossing[1]] if crossing else [],
+        "rollout": sum(m["rollout_time_s"] for m in timed) / len(timed),
+        "reward": sum(m["reward_time_s"] for m in timed) / len(timed),
+        "train": sum(m["train_time_s"] for m in timed) / len(timed),
+        "first": points[0][0],
+        "points": [p[0] for p in points],
+    }
+
+
+def test_compare_smoke(tmp_path):
+    out = tmp_path / "compare"
+    run_script("benchmarks/compare.py", *SMOKE, "--output-dir", out, timeout=300)
+    runs = {algo: read_metrics(out / f"{algo}-1") for algo in ("grpo", "nft")}
+    for algo, metrics in runs.items():
+        assert [m["epoch"] for m in metrics] == [0, 1] and all("eval_reward_mean" in m for m in metrics), algo
+        assert metrics[-1]["samples_seen"] == 32
+
+    # threshold: start (mean of every run's first point, --start-points 1) + --threshold-gain
+    mine = {algo: expected(m, -math.inf, 1, 16) for algo, m in runs.items()}
+    threshold = np.mean([e["first"] for e in mine.values()]) + 0.15
+    table = parse_table((out / "results.md").read_text())
+    assert list(table) == ["grpo", "nft"]
+    for algo, metrics in runs.items():
+        e = expected(metrics, threshold, 1, 16)
+        row = table[algo]
+        check_cell(row["final reward"], [e["final"]])
+        assert row["reached"] == f"{len(e['epochs_to'])}/1"
+        check_cell(row["epochs to threshold"], e["epochs_to"])
+        check_cell(row["time to threshold (s)"], e["time_to"])
+        check_cell(row["rollout s/epoch"], [e["rollout"]])
+        check_cell(row["reward s/epoch"], [e["reward"]])
+        check_cell(row["train s/epoch"], [e["train"]])
+        check_cell(row["epoch s"], [e["rollout"] + e["reward"] + e["train"]])
+        wall = float((out / f"{algo}-1" / "wall_time_s.txt").read_text())
+        assert wall > sum(m["epoch_time_s"] for m in metrics)  # the process also loads the model
+        check_cell(row["run wall s"], [wall])
+    assert f"threshold {threshold:.3f}" in (out / "results.md").read_text()
+
+    image = Image.open(out / "compare.png")
+    image.verify()
+    image = Image.open(out / "compare.png").convert("RGB")
+    assert image.size == (1400, 560)
+    pixels = np.asarray(image).reshape(-1, 3)
+    assert len(np.unique(pixels, axis=0)) > 50  # text, grid, curves: not blank
+    for color in [(31, 119, 180), (255, 127, 14)]:  # each algorithm's curve and legend colour is drawn
+        assert (pixels == color).all(1).sum() > 100, color
+
+    # Analysis again on the same runs (--reuse: nothing reruns) with a threshold that grpo's second eval
+    # point reaches by construction, so the crossing columns hold numbers.
+    stamp = {algo: (out / f"{algo}-1" / "metrics.jsonl").stat().st_mtime_ns for algo in runs}
+    level = max(mine["grpo"]["points"])
+    run_script("benchmarks/compare.py", *SMOKE, "--output-dir", out, "--reuse", "--threshold", repr(level))
+    assert {algo: (out / f"{algo}-1" / "metrics.jsonl").stat().st_mtime_ns for algo in runs} == stamp
+    table = parse_table((out / "results.md").read_text())
+    for algo, metrics in runs.items():
+        e = expected(metrics, level, 1, 16)
+        assert table[algo]["reached"] == f"{len(e['epochs_to'])}/1"
+        check_cell(table[algo]["epochs to threshold"], e["epochs_to"])
+        check_cell(table[algo]["time to threshold (s)"], e["time_to"])
+    assert table["grpo"]["reached"] == "1/1"
+
+
+def test_first_reach_and_ticks():
+    spec = importlib.util.spec_from_file_location("compare", REPO / "benchmarks" / "compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    values = np.array([0.0, 1.0, 0.0, 3.0])
+    assert compare.first_reach(values, 1.0, 1) == 1
+    assert compare.first_reach(values, 1.0, 2) == 3  # trailing means 0, 0.5, 0.5, 1.5
+    assert compare.first_reach(values, 5.0, 1) is None
+    assert compare.nice_ticks(0.0, 93.0) == [0.0, 20.0, 40.0, 60.0, 80.0]
+    assert np.allclose(compare.nice_ticks(-3.61, -3.38), [-3.6, -3.55, -3.5, -3.45, -3.4])
+
+
+def test_bad_flags():
+    result = run_script("benchmarks/compare.py", "--algos", "grpo", "ppo", check=False)
+    assert result.returncode == 2 and "error: unknown --algos ppo; choose from: awm, grpo" in result.stderr
+    result = run_script("benchmarks/compare.py", "--budget", "8", check=False)
+    assert result.returncode == 2 and "less than one epoch of M·K = 16 samples" in result.stderr
