@@ -5,6 +5,8 @@ script's own preset (default `tiny`) and the shared task flags below overriding 
 prompts dataset, resolution, group size K, prompts per epoch M, sampling steps (only when --num-steps is
 given: by default each preset keeps its own) and the number of epochs, budget / (M·K). The presets differ in
 learning rate, clip range, steps and trained timesteps: each is the setting tuned for that algorithm.
+The references' efficiency claims this measures side by side: DiffusionNFT (arXiv:2509.16117) and AWM
+(arXiv:2509.25050) against Flow-GRPO (arXiv:2505.05470), MixGRPO (arXiv:2507.21802) against DanceGRPO.
 
 Measures (written to OUTPUT_DIR/results.md, summary.json and compare.png):
 - the reward curve is `--metric`: `eval` (default) is eval_reward_mean, ODE samples of the same test prompts
@@ -19,11 +21,16 @@ Measures (written to OUTPUT_DIR/results.md, summary.json and compare.png):
 - epochs / time to threshold: the first point where the trailing mean over `--smooth` points reaches the
   threshold; mean ± std over the seeds that reach it (the count is shown);
 - time per epoch: rollout / reward / training seconds, the mean over the epochs after `--warmup`.
-Mean ± std is over seeds (population std). Ratios are the baseline's time over each algorithm's.
+
+Mean ± std is over seeds (population std). Time-to-threshold ratios are the baseline's time over each
+algorithm's; epoch-time ratios are each algorithm's over the baseline's.
 
 CPU default (tiny FLUX.1, JPEG compressibility, 5 algorithms × 3 seeds × 150 epochs; 13m49s on a 2-core CPU):
   OMP_NUM_THREADS=1 python benchmarks/compare.py
-GPU (published FLUX.1-dev, the papers' settings; 8 processes per run; set the budget to what you can afford):
+
+GPU (published FLUX.1-dev, each paper's preset at one shared 512px/M=48/K=24 task, 8 processes per run,
+100 epochs; set the budget to what you can afford, and --threshold or --threshold-gain on the reward's own
+scale: the 0.5 default is for the tiny JPEG task; pickscore here is logit_scale·cos/26):
   python benchmarks/compare.py --model-path None --resolution 512 --reward pickscore --group-size 24 \\
       --prompts-per-epoch 48 --budget 115200 --eval-every 10 --eval-num-steps 28 --eval-num-prompts 64 \\
       --preset none --algo-preset grpo flux1-flowgrpo grpo_guard flux1-grpo-guard mixgrpo flux1-mixgrpo \\
