@@ -20,6 +20,8 @@ from common.cache import PromptEncoder, cache_texts, find_cache
 from common.checkpoint import (LORA_FILE, latest_checkpoint, load_full_weights_into, load_lora_into,
                                load_training_state, save_checkpoint)
 from common.data import DEFAULT_DATASET, epoch_draw, load_prompts, sample_seeds, shard
+from common.distributed import (check_backend, load_optimizer_state_dict, lora_state_dict,
+                                optimizer_state_dict, save_pretrained, shard_like, trainable)
 from common.dynamics import DYNAMICS
 from common.models import ADAPTERS, load_adapter, resolve_model_path
 from common.sampling import rollout, sample_generators
@@ -273,6 +275,7 @@ if __name__ == "__main__":
     output_dir = args.output_dir or f"runs/{args.exp_name}-{args.seed}"
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with="wandb" if args.track else None)
+    check_backend(accelerator)
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     if args.ema_kl_beta == 0 and args.clip_range == float("inf"):
         accelerator.print(f"warning: {COLLAPSE_WARNING}")
@@ -328,6 +331,10 @@ if __name__ == "__main__":
     transformer, optimizer = accelerator.prepare(transformer, optimizer)
     adapter.transformer = transformer  # rollout and training run the same (wrapped) module
     unwrapped = accelerator.unwrap_model(transformer)
+    # FSDP2 (configs/fsdp2*.yaml) replaces the parameters by DTensor shards: read them again, and shard a
+    # frozen full-fine-tune reference the same way. Without sharding both lines change nothing.
+    params = trainable(unwrapped)
+    reference = shard_like(reference, unwrapped)
 
     os.makedirs(output_dir, exist_ok=True)
     metrics_log = MetricsLog(output_dir, accelerator)
@@ -336,7 +343,7 @@ if __name__ == "__main__":
     if checkpoint is not None:
         states, meta = load_training_state(checkpoint, rank)
         (load_full_weights_into if args.full_finetune else load_lora_into)(unwrapped, checkpoint)
-        optimizer.load_state_dict(states["optimizer"])
+        load_optimizer_state_dict(unwrapped, optimizer, states["optimizer"])
         if ema is not None:
             ema.load_state_dict(states["ema"])
         start_epoch = meta["epoch"] + 1
@@ -348,12 +355,11 @@ if __name__ == "__main__":
         accelerator.init_trackers(args.wandb_project, config={k: str(v) for k, v in vars(args).items()},
                                   init_kwargs={"wandb": {"name": f"{args.exp_name}-{args.seed}"}})
 
-    def write_weights(folder):
+    def write_weights(folder, state):  # state: the full state dict, gathered by save_checkpoint
         if args.full_finetune:
-            unwrapped.save_pretrained(os.path.join(folder, "transformer"), safe_serialization=True)
+            save_pretrained(unwrapped, os.path.join(folder, "transformer"), state)
         else:
-            from peft.utils import get_peft_model_state_dict
-            adapter.save_lora(folder, get_peft_model_state_dict(unwrapped, adapter_name="default"))
+            adapter.save_lora(folder, lora_state_dict(unwrapped, state, adapter_name="default"))
 
     def reference_velocity(x, sigma, cond):
         if reference is not None:
@@ -527,11 +533,11 @@ if __name__ == "__main__":
                                                "ema_kl", "clipfrac", "approx_kl", "epoch_time_s"]))
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
         if last_epoch or (args.save_every and (epoch + 1) % args.save_every == 0):
-            states = {"optimizer": optimizer.state_dict()}
+            states = {"optimizer": optimizer_state_dict(unwrapped, optimizer)}
             if ema is not None:
                 states["ema"] = ema.state_dict()
             save_checkpoint(accelerator, output_dir, epoch, write_weights, states,
                             {"model": args.model, "full_finetune": args.full_finetune,
                              "weights": "transformer" if args.full_finetune else LORA_FILE},
-                            keep=args.keep_checkpoints)
+                            keep=args.keep_checkpoints, model=unwrapped)
     accelerator.end_training()

@@ -20,6 +20,8 @@ from common.cache import PromptEncoder, cache_texts, find_cache
 from common.checkpoint import (LORA_FILE, latest_checkpoint, load_full_weights_into, load_lora_into,
                                load_training_state, save_checkpoint)
 from common.data import DEFAULT_DATASET, epoch_draw, load_prompts, sample_seeds, shard
+from common.distributed import (check_backend, load_optimizer_state_dict, lora_state_dict,
+                                optimizer_state_dict, save_pretrained, shard_like, trainable)
 from common.dynamics import DYNAMICS, sde_step
 from common.models import ADAPTERS, load_adapter, resolve_model_path
 from common.sampling import rollout, sample_generators
@@ -203,6 +205,7 @@ if __name__ == "__main__":
     output_dir = args.output_dir or f"runs/{args.exp_name}-{args.seed}"
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with="wandb" if args.track else None)
+    check_backend(accelerator)
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     samples_per_epoch = args.prompts_per_epoch * args.group_size
     local = shard(samples_per_epoch, rank, world)
@@ -251,7 +254,11 @@ if __name__ == "__main__":
     transformer, optimizer = accelerator.prepare(transformer, optimizer)
     adapter.transformer = transformer  # rollout and training run the same (wrapped) module
     unwrapped = accelerator.unwrap_model(transformer)
-    ema = EMA(params, args.ema_decay) if args.ema else None
+    # FSDP2 (configs/fsdp2*.yaml) replaces the parameters by DTensor shards: read them again, and shard a
+    # frozen full-fine-tune reference the same way. Without sharding both lines change nothing.
+    params = trainable(unwrapped)
+    reference = shard_like(reference, unwrapped)
+    ema = EMA(params, args.ema_decay, module=unwrapped) if args.ema else None
 
     os.makedirs(output_dir, exist_ok=True)
     metrics_log = MetricsLog(output_dir, accelerator)
@@ -260,7 +267,7 @@ if __name__ == "__main__":
     if checkpoint is not None:
         states, meta = load_training_state(checkpoint, rank)
         (load_full_weights_into if args.full_finetune else load_lora_into)(unwrapped, checkpoint)
-        optimizer.load_state_dict(states["optimizer"])
+        load_optimizer_state_dict(unwrapped, optimizer, states["optimizer"])
         if ema is not None:
             ema.load_state_dict(states["ema"])
         start_epoch = meta["epoch"] + 1
@@ -274,12 +281,11 @@ if __name__ == "__main__":
 
     sigmas = adapter.sigmas(args.num_steps)
 
-    def write_weights(folder):
+    def write_weights(folder, state):  # state: the full state dict, gathered by save_checkpoint
         if args.full_finetune:
-            unwrapped.save_pretrained(os.path.join(folder, "transformer"), safe_serialization=True)
+            save_pretrained(unwrapped, os.path.join(folder, "transformer"), state)
         else:
-            from peft.utils import get_peft_model_state_dict
-            adapter.save_lora(folder, get_peft_model_state_dict(unwrapped))
+            adapter.save_lora(folder, lora_state_dict(unwrapped, state))
 
     def evaluate(epoch: int) -> dict:
         """ODE samples of the test prompts at fixed seeds (the same for every run): reward mean and a grid."""
@@ -435,11 +441,11 @@ if __name__ == "__main__":
                                                "clipfrac", "approx_kl", "epoch_time_s"]))
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
         if last_epoch or (args.save_every and (epoch + 1) % args.save_every == 0):
-            states = {"optimizer": optimizer.state_dict()}
+            states = {"optimizer": optimizer_state_dict(unwrapped, optimizer)}
             if ema is not None:
                 states["ema"] = ema.state_dict()
             save_checkpoint(accelerator, output_dir, epoch, write_weights, states,
                             {"model": args.model, "full_finetune": args.full_finetune,
                              "weights": "transformer" if args.full_finetune else LORA_FILE},
-                            keep=args.keep_checkpoints)
+                            keep=args.keep_checkpoints, model=unwrapped)
     accelerator.end_training()

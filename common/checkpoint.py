@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from common.distributed import full_state_loading, is_sharded, load_lora_state_dict, model_state_dict
+
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
@@ -29,16 +31,22 @@ def _rng_state() -> dict:
 
 
 def save_checkpoint(accelerator, output_dir: str | Path, epoch: int, write_weights, states: dict,
-                    meta: dict, keep: int = 2) -> Path:
+                    meta: dict, keep: int = 2, model=None) -> Path:
     """write_weights(folder) writes the model weights (called on the main process only). `states` maps
-    names to state dicts saved in training_state.pt. All processes must call this."""
+    names to state dicts saved in training_state.pt. All processes must call this. With `model`, its full
+    state dict is gathered on every process first (FSDP2 shards: a collective) and passed on as
+    write_weights(folder, state)."""
     root = Path(output_dir) / "checkpoints"
     final = root / f"epoch_{epoch:06d}"
     tmp = root / f".epoch_{epoch:06d}.tmp"
+    state = model_state_dict(model) if model is not None else None
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        write_weights(tmp)
+        if model is None:
+            write_weights(tmp)
+        else:
+            write_weights(tmp, state)
         torch.save(states, tmp / "training_state.pt")
         (tmp / "meta.json").write_text(json.dumps({"epoch": epoch, **meta}, indent=1))
     accelerator.wait_for_everyone()
@@ -86,9 +94,12 @@ def load_lora_into(transformer, folder: Path) -> None:
 
     state = load_file(folder / LORA_FILE)
     state = {k.removeprefix("transformer."): v for k, v in state.items()}
-    result = set_peft_model_state_dict(transformer, state)
-    if getattr(result, "unexpected_keys", None):
-        raise RuntimeError(f"LoRA checkpoint {folder} has keys the model lacks: {result.unexpected_keys[:3]}")
+    if is_sharded(transformer):  # FSDP2: whole tensors into the shards
+        unexpected = load_lora_state_dict(transformer, state)
+    else:
+        unexpected = getattr(set_peft_model_state_dict(transformer, state), "unexpected_keys", None)
+    if unexpected:
+        raise RuntimeError(f"LoRA checkpoint {folder} has keys the model lacks: {unexpected[:3]}")
 
 
 def load_full_weights_into(transformer, folder: Path) -> None:
@@ -96,4 +107,5 @@ def load_full_weights_into(transformer, folder: Path) -> None:
     state = {}
     for shard in sorted((folder / "transformer").glob("*.safetensors")):
         state.update(load_file(shard))
-    transformer.load_state_dict(state, strict=True)
+    with full_state_loading(transformer):
+        transformer.load_state_dict(state, strict=True)

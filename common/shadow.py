@@ -5,6 +5,8 @@ With LoRA it is a second peft adapter on the SAME transformer (no model copy): `
 module to it, and back to the trained adapter ("default") on exit. With full fine-tuning it is a frozen
 deepcopy of the transformer. The adapter is switched on the unwrapped module; a DDP wrapper only forwards
 to it, and every forward through the shadow runs under no_grad, so DDP never sees the switch.
+Under FSDP2 the parameters are looked up by name at each use (`prepare` replaces them by DTensor shards) and a
+full copy is sharded like the trained model, so blending works shard by shard.
 """
 
 import copy
@@ -12,6 +14,8 @@ import warnings
 from contextlib import contextmanager
 
 import torch
+
+from common.distributed import copy_full_, full_tensor, is_sharded, named_parameters, reshard, shard_like
 
 
 class ShadowPolicy:
@@ -21,8 +25,7 @@ class ShadowPolicy:
         self.transformer, self.name, self.full_finetune = transformer, name, full_finetune
         if full_finetune:
             self.module = copy.deepcopy(transformer).requires_grad_(False)
-            trained = [p for p in transformer.parameters() if p.requires_grad]
-            shadow = [p for p, q in zip(self.module.parameters(), transformer.parameters()) if q.requires_grad]
+            self.keys = [k for k, p in transformer.named_parameters() if p.requires_grad]
         else:
             # Same rank, alpha and targets as the trained adapter; add_adapter activates the new one, so switch
             # back (peft's set_adapter also gives requires_grad back to "default" and takes it from the shadow).
@@ -30,21 +33,34 @@ class ShadowPolicy:
                 warnings.simplefilter("ignore")
                 transformer.add_adapter(copy.deepcopy(transformer.peft_config["default"]), adapter_name=name)
             transformer.set_adapter("default")
-            params = dict(transformer.named_parameters())
-            keys = [k for k in params if ".default." in k]
-            trained = [params[k] for k in keys]
-            shadow = [params[k.replace(".default.", f".{name}.")] for k in keys]
-        self.pairs = list(zip(shadow, trained))
+            self.keys = [k for k, _ in transformer.named_parameters() if ".default." in k]
         with torch.no_grad():
             for s, p in self.pairs:
                 s.data = p.detach().float().clone()
                 s.requires_grad_(False)
 
+    @property
+    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(shadow, trained) parameter pairs, looked up now (the shards, under FSDP2)."""
+        reshard(self.transformer)
+        trained = named_parameters(self.transformer)
+        if not self.full_finetune:
+            return [(trained[k.replace(".default.", f".{self.name}.")], trained[k]) for k in self.keys]
+        reshard(self._full_copy())
+        shadow = named_parameters(self.module)
+        return [(shadow[k], trained[k]) for k in self.keys]
+
+    def _full_copy(self) -> torch.nn.Module:
+        """The frozen copy of a full fine-tune, sharded like the trained model once that is (FSDP2)."""
+        if is_sharded(self.transformer) and not is_sharded(self.module):
+            self.module = shard_like(self.module, self.transformer)
+        return self.module
+
     @contextmanager
     def active(self, adapter):
         """Run `adapter.velocity` with the shadow weights inside the block (call it under no_grad)."""
         if self.full_finetune:
-            trained, adapter.transformer = adapter.transformer, self.module
+            trained, adapter.transformer = adapter.transformer, self._full_copy()
             try:
                 yield
             finally:
@@ -64,12 +80,12 @@ class ShadowPolicy:
 
     def max_abs_diff(self) -> float:
         """max |shadow − θ| over all blended weights (0 right after a blend with decay 0)."""
-        return max(float((s - p.detach().float()).abs().max()) for s, p in self.pairs)
+        return max(float(full_tensor((s - p.detach().float()).abs().max())) for s, p in self.pairs)
 
     def state_dict(self) -> dict:
-        return {"weights": [s.detach().cpu() for s, _ in self.pairs]}
+        return {"weights": [full_tensor(s.detach()).cpu() for s, _ in self.pairs]}  # a collective when sharded
 
     def load_state_dict(self, state: dict) -> None:
         with torch.no_grad():
             for (s, _), saved in zip(self.pairs, state["weights"]):
-                s.copy_(saved)
+                copy_full_(s, saved)

@@ -1,0 +1,124 @@
+"""Sharded training on CPU processes (environment.md "Sharded training on CPU"): accelerate ignores FSDP and
+DeepSpeed on CPU, so the FSDP2 paths run through accelerate's own FSDP2 functions applied by
+tests/fsdp_launch.py, and every test asserts that the parameters really are DTensor shards."""
+
+import json
+import sys
+from types import SimpleNamespace
+
+import pytest
+from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script
+
+TORCHRUN_2CPU = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+CONFIGS = REPO / "configs"
+BLOCKS = {  # the diffusers block classes each model's FSDP2 config wraps
+    "flux1": ("FluxTransformer2DModel", {"FluxTransformerBlock", "FluxSingleTransformerBlock"}),
+    "sd3": ("SD3Transformer2DModel", {"JointTransformerBlock"}),
+    "qwen-image": ("QwenImageTransformer2DModel", {"QwenImageTransformerBlock"}),
+    "wan": ("WanTransformer3DModel", {"WanTransformerBlock"}),
+}
+SKIP = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "peak_memory_gb"}
+
+
+def test_configs_parse_with_accelerate():
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.utils import DistributedType
+
+    expected = {"ddp_1gpu": (DistributedType.NO, 1, 1), "ddp_8gpu": (DistributedType.MULTI_GPU, 8, 1),
+                "deepspeed_zero2": (DistributedType.DEEPSPEED, 8, 1), "fsdp2_2nodes": (DistributedType.FSDP, 16, 2),
+                **{f"fsdp2{suffix}": (DistributedType.FSDP, 8, 1) for suffix in ["", *[f"_{m}" for m in BLOCKS]]}}
+    assert {f.stem for f in CONFIGS.glob("*.yaml")} == set(expected)
+    for name, (kind, processes, machines) in expected.items():
+        config = ClusterConfig.from_yaml_file(CONFIGS / f"{name}.yaml")
+        assert (config.distributed_type, config.num_processes, config.num_machines) == (kind, processes, machines)
+        assert config.mixed_precision == "bf16"
+        if kind == DistributedType.FSDP:
+            assert config.fsdp_config["fsdp_version"] == 2
+            assert config.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+            assert config.fsdp_config["fsdp_activation_checkpointing"] is True
+        if kind == DistributedType.DEEPSPEED:
+            assert config.deepspeed_config["zero_stage"] == 2
+
+
+@pytest.mark.parametrize("model", list(BLOCKS))
+def test_fsdp2_configs_wrap_every_transformer_block(model):
+    """accelerate's own FSDP2 wrap policy, built from the config files, selects exactly the model's blocks (the
+    generic fsdp2.yaml through the model's _no_split_modules, fsdp2_<model>.yaml through its class list)."""
+    import diffusers
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    from fsdp_launch import fsdp_plugin
+
+    from common.tiny import tiny_model_path
+
+    cls_name, blocks = BLOCKS[model]
+    transformer = getattr(diffusers, cls_name).from_pretrained(tiny_model_path(model) / "transformer")
+    want = [name for name, m in transformer.named_modules() if type(m).__name__ in blocks]
+    assert want
+    for config in ("fsdp2.yaml", f"fsdp2_{model}.yaml"):
+        policy = fsdp2_prepare_auto_wrap_policy(fsdp_plugin(str(CONFIGS / config)), transformer)
+        assert [name for name, m in transformer.named_modules() if policy(m)] == want, config
+
+
+def test_scripts_refuse_deepspeed():
+    from accelerate.utils import DistributedType
+
+    from common.distributed import check_backend
+    from common.utils import UserError
+
+    check_backend(SimpleNamespace(distributed_type=DistributedType.FSDP))
+    check_backend(SimpleNamespace(distributed_type=DistributedType.MULTI_GPU))
+    with pytest.raises(UserError, match="DeepSpeed is not supported"):
+        check_backend(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED))
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_fsdp2_step_matches_unsharded(mode, tmp_path, tiny_flux_path):
+    """tests/fsdp_step.py: loss, KL to the reference, θ_old shadow, EMA, clipping and AdamW on 2 shards equal the
+    unsharded steps; the gathered checkpoint loads in diffusers and resumes into a fresh sharded model."""
+    out = tmp_path / "result.json"
+    run_script("tests/fsdp_step.py", mode, out, tmp_path / "run", launcher=TORCHRUN_2CPU)
+    r = json.loads(out.read_text())
+    assert r["world"] == 2 and r["local_numel"] < r["trained_numel"]
+    # The same float32 math summed in another order: the loss agrees to rounding; Adam's moments (running
+    # gradient means) too. Adam divides by √v, which magnifies rounding in near-zero gradients, so weights get a
+    # looser bound, still far below how far two steps moved them (seen: LoRA 2e-6, full 9e-6; moved 2e-2).
+    assert r["loss_diff"] < 1e-6
+    assert r["moved"] > 1e-2
+    for stage in ("after_2_steps", "after_resume_step"):
+        assert r[stage]["optimizer"] < 1e-6, (stage, r[stage])
+        for key in ("weights", "ema", "shadow"):
+            assert r[stage][key] < 1e-4, (stage, key, r[stage])
+    assert r["ema_eval_diff"] < 1e-4
+    assert r["reload"] < 1e-4  # LoRA: FluxPipeline.load_lora_weights output; full: from_pretrained weights
+    if mode == "lora":
+        assert r["lora_effect"] > 1e-2  # the LoRA really changes the output the reload check compares
+
+
+def _metrics(output_dir):
+    return [{k: v for k, v in m.items() if k not in SKIP} for m in read_metrics(output_dir)]
+
+
+def test_grpo_script_under_fsdp2_matches_ddp_and_resumes(tmp_path, tiny_flux_path):
+    """algos/grpo.py unchanged, its transformer sharded by accelerate's FSDP2 code (configs/fsdp2.yaml: block
+    wrapping + activation checkpointing), LoRA with KL and EMA: the first epoch equals the DDP run, and a run
+    stopped after 2 epochs and resumed equals the uninterrupted one."""
+    args = ["--preset", "tiny", "--eval-every", "1", "--eval-num-prompts", "4", "--batch-size", "4", "--ema",
+            "--kl-beta", "0.01", "--save-every", "1"]
+    fsdp = ["tests/fsdp_launch.py", "configs/fsdp2.yaml", "algos/grpo.py"]
+    full = run_script(*fsdp, *args, "--epochs", "3", "--output-dir", tmp_path / "fsdp", launcher=TORCHRUN_2CPU)
+    assert "fsdp_launch: FSDPModule=True DTensor parameters 102/102" in full.stdout
+    run_script(*fsdp, *args, "--epochs", "2", "--output-dir", tmp_path / "resumed", launcher=TORCHRUN_2CPU)
+    run_script(*fsdp, *args, "--epochs", "3", "--output-dir", tmp_path / "resumed", "--resume", launcher=TORCHRUN_2CPU)
+    assert _metrics(tmp_path / "resumed") == _metrics(tmp_path / "fsdp")
+
+    run_script("algos/grpo.py", *args, "--epochs", "1", "--output-dir", tmp_path / "ddp", launcher=ACCELERATE_2CPU)
+    (sharded,), (ddp,) = _metrics(tmp_path / "fsdp")[:1], _metrics(tmp_path / "ddp")
+    assert sharded["num_processes"] == ddp["num_processes"] == 2
+    assert sharded["reward_mean"] == ddp["reward_mean"]  # the same rollouts before any update
+    for key in ("loss", "policy_loss", "kl", "approx_kl", "ratio_mean"):
+        assert sharded[key] == pytest.approx(ddp[key], rel=1e-4, abs=1e-9), key
+    # The sharded checkpoint is a plain diffusers LoRA file.
+    from safetensors.torch import load_file
+
+    lora = load_file(tmp_path / "fsdp" / "checkpoints" / "epoch_000002" / "pytorch_lora_weights.safetensors")
+    assert lora and all(k.startswith("transformer.") and "lora_" in k and "_checkpoint" not in k for k in lora)
