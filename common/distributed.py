@@ -5,7 +5,8 @@ Every function checks whether the module is sharded and otherwise does exactly t
 single-process and DDP runs (and their checkpoint files) are unchanged. The sharded paths use
 torch.distributed.checkpoint's state-dict API, which gathers a full state dict from FSDP2 shards; all
 processes must call the gathering functions (they are collectives when the module is sharded).
-DeepSpeed ZeRO-2 needs none of this: it shards only gradients and optimizer states, parameters stay whole.
+Activation checkpointing (configs/fsdp2.yaml) puts wrapper parts into parameter names: names are compared in
+their canonical form. DeepSpeed is refused (`check_backend`).
 """
 
 from contextlib import contextmanager
