@@ -4,15 +4,19 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# A fresh cache folder per session (unless FLOWRL_CACHE is set), so no tiny model or embedding cache left by an
+# older version of the code is ever reused.
+if "FLOWRL_CACHE" not in os.environ:
+    os.environ["FLOWRL_CACHE"] = tempfile.mkdtemp(prefix="flowrl-test-cache-")
 # Every script the tests start sees this environment: offline, no trackers, one thread per process
 # (2-core CI; several torch processes each spinning 2 threads slow down tenfold).
-os.environ.setdefault("FLOWRL_CACHE", str(Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / "flowrl-test-cache"))
 os.environ.update(WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
 
 
