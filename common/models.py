@@ -39,10 +39,17 @@ class _Adapter:
     display_name: str
     text_components: tuple[str, ...]  # skipped when training from the embedding cache
     true_cfg = False
+    max_sequence_limit: int | None = None  # the longest prompt the text encoder path accepts, when bounded
 
-    def _load(self, model_path: str, device, dtype: torch.dtype, load_text_encoders: bool, text_only: bool) -> None:
+    def _load(self, model_path: str, device, dtype: torch.dtype, load_text_encoders: bool, text_only: bool,
+              max_sequence_length: int) -> None:
         import diffusers
 
+        limit = self.max_sequence_limit
+        if limit is not None and not 0 < max_sequence_length <= limit:
+            raise UserError(f"max_sequence_length {max_sequence_length} is not in 1..{limit}, "
+                            f"as {self.display_name} requires")
+        self.max_sequence_length = max_sequence_length
         self.device = torch.device(device)
         self.dtype = dtype
         # Frozen encoders wait on the CPU between uses when training on an accelerator.
@@ -136,8 +143,7 @@ class FluxAdapter(_Adapter):
 
     def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
                  max_sequence_length: int = 512, load_text_encoders: bool = True, text_only: bool = False):
-        self.max_sequence_length = max_sequence_length
-        self._load(model_path, device, dtype, load_text_encoders, text_only)
+        self._load(model_path, device, dtype, load_text_encoders, text_only, max_sequence_length)
         if text_only:
             return
         self.vae_scale_factor = self.pipe.vae_scale_factor
@@ -218,6 +224,7 @@ class SD3Adapter(_Adapter):
     pipeline_class_name = "StableDiffusion3Pipeline"
     default_guidance_scale = 4.5  # true CFG scale of the references (SD3.5-M, Flow-GRPO)
     display_name = "SD3"
+    max_sequence_limit = 512  # the T5 input
     text_components = ("text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3")
     true_cfg = True
     # Flow-GRPO's SD3.5 LoRA targets: the joint attention's image and text projections (not `attn2`).
@@ -228,10 +235,7 @@ class SD3Adapter(_Adapter):
 
     def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
                  max_sequence_length: int = 256, load_text_encoders: bool = True, text_only: bool = False):
-        if not 0 < max_sequence_length <= 512:
-            raise UserError(f"max_sequence_length {max_sequence_length} is not in 1..512, as SD3's T5 input requires")
-        self.max_sequence_length = max_sequence_length
-        self._load(model_path, device, dtype, load_text_encoders, text_only)
+        self._load(model_path, device, dtype, load_text_encoders, text_only, max_sequence_length)
         if text_only:
             return
         self.vae_scale_factor = self.pipe.vae_scale_factor
@@ -314,6 +318,7 @@ class QwenImageAdapter(_Adapter):
     pipeline_class_name = "QwenImagePipeline"
     default_guidance_scale = 4.0  # true CFG scale of the references (Qwen-Image, Flow-GRPO)
     display_name = "Qwen-Image"
+    max_sequence_limit = 1024
     text_components = ("text_encoder", "tokenizer")
     true_cfg = True
     # Flow-GRPO's Qwen-Image LoRA targets: attention of both streams and both streams' MLPs.
@@ -324,10 +329,7 @@ class QwenImageAdapter(_Adapter):
 
     def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
                  max_sequence_length: int = 512, load_text_encoders: bool = True, text_only: bool = False):
-        if not 0 < max_sequence_length <= 1024:
-            raise UserError(f"max_sequence_length {max_sequence_length} is not in 1..1024, as Qwen-Image requires")
-        self.max_sequence_length = max_sequence_length
-        self._load(model_path, device, dtype, load_text_encoders, text_only)
+        self._load(model_path, device, dtype, load_text_encoders, text_only, max_sequence_length)
         if text_only:
             return
         if self.config.guidance_embeds:
@@ -433,8 +435,7 @@ class WanAdapter(_Adapter):
     def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
                  max_sequence_length: int = 512, load_text_encoders: bool = True, text_only: bool = False,
                  num_frames: int = 33):
-        self.max_sequence_length = max_sequence_length
-        self._load(model_path, device, dtype, load_text_encoders, text_only)
+        self._load(model_path, device, dtype, load_text_encoders, text_only, max_sequence_length)
         if text_only:
             return
         if self.pipe.transformer_2 is not None or self.pipe.config.get("expand_timesteps", False):
