@@ -34,7 +34,8 @@ def run_script(script: str, *args, check: bool = True, timeout: float = 600, lau
                             env={**os.environ, **(env or {})})
     if launcher and result.returncode != 0 and "terminate called without an active exception" in result.stderr:
         # gloo on CPU now and then aborts a process's exit in C++ static destructors, after the work is done:
-        # run once more (a real failure fails again).
+        # run once more (a real failure fails again). Only repeatable commands gain from this: a training
+        # script's second attempt refuses its now non-empty output folder and fails as the first did.
         result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                                 env={**os.environ, **(env or {})})
     if check and result.returncode != 0:
