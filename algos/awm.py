@@ -20,7 +20,7 @@ from common.cache import PromptEncoder, cache_texts, find_cache
 from common.checkpoint import (LORA_FILE, latest_checkpoint, load_full_weights_into, load_lora_into,
                                load_training_state, save_checkpoint)
 from common.data import DEFAULT_DATASET, epoch_draw, load_prompts, sample_seeds, shard
-from common.distributed import (check_backend, load_optimizer_state_dict, lora_state_dict,
+from common.distributed import (configure_backend, load_optimizer_state_dict, lora_state_dict, micro_step,
                                 optimizer_state_dict, save_pretrained, shard_like, trainable)
 from common.dynamics import DYNAMICS
 from common.models import ADAPTERS, load_adapter, resolve_model_path
@@ -275,7 +275,7 @@ if __name__ == "__main__":
     output_dir = args.output_dir or f"runs/{args.exp_name}-{args.seed}"
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with="wandb" if args.track else None)
-    check_backend(accelerator)
+    configure_backend(accelerator, args.batch_size, args.max_grad_norm)
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     if args.ema_kl_beta == 0 and args.clip_range == float("inf"):
         accelerator.print(f"warning: {COLLAPSE_WARNING}")
@@ -467,7 +467,7 @@ if __name__ == "__main__":
                             with ema.active(adapter):
                                 v_ema = adapter.velocity(x_sigma, sigma, cond, guidance)
                         v_ref = reference_velocity(x_sigma, sigma, cond) if args.kl_beta > 0 else None
-                    with nullcontext() if last else accelerator.no_sync(transformer):
+                    with micro_step(accelerator, transformer, last):
                         v_theta = adapter.velocity(x_sigma, sigma, cond, guidance)
                         log_prob = matching_log_prob(v_theta, target, sigma, args.weighting, args.ghuber_power)
                         if args.off_policy:  # the sampling policy is the EMA: its log-prob at the same (σ, ε)

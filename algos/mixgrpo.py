@@ -21,7 +21,7 @@ from common.cache import PromptEncoder, cache_texts, find_cache
 from common.checkpoint import (LORA_FILE, latest_checkpoint, load_full_weights_into, load_lora_into,
                                load_training_state, save_checkpoint)
 from common.data import DEFAULT_DATASET, epoch_draw, load_prompts, sample_seeds, shard
-from common.distributed import (check_backend, load_optimizer_state_dict, lora_state_dict,
+from common.distributed import (configure_backend, load_optimizer_state_dict, lora_state_dict, micro_step,
                                 optimizer_state_dict, save_pretrained, shard_like, trainable)
 from common.dynamics import DYNAMICS, sde_step
 from common.models import ADAPTERS, load_adapter, resolve_model_path
@@ -283,7 +283,7 @@ if __name__ == "__main__":
     output_dir = args.output_dir or f"runs/{args.exp_name}-{args.seed}"
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with="wandb" if args.track else None)
-    check_backend(accelerator)
+    configure_backend(accelerator, args.batch_size, args.max_grad_norm)
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     samples_per_epoch = args.prompts_per_epoch * args.group_size
     local = shard(samples_per_epoch, rank, world)
@@ -454,7 +454,7 @@ if __name__ == "__main__":
                 traj, cond, adv = trajectories[b], {key: v[mb] for key, v in cond_all.items()}, advantages[mb]
                 for i, j in enumerate(train_steps):
                     last = k == batches_per_update - 1 and i == num_train_steps - 1
-                    with nullcontext() if last else accelerator.no_sync(transformer):
+                    with micro_step(accelerator, transformer, last):
                         x, x_next = traj.latents[:, i].to(device), traj.next_latents[:, i].to(device)
                         log_prob_old = traj.log_probs[:, i].to(device)
                         v = adapter.velocity(x, sigmas[j], cond, guidance)

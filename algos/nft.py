@@ -5,7 +5,6 @@
 # Math: ../shared/docs/algorithms.md §5 (this repo's spec). Usage: README.md.
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Annotated
 
@@ -20,7 +19,7 @@ from common.cache import PromptEncoder, cache_texts, find_cache
 from common.checkpoint import (LORA_FILE, latest_checkpoint, load_full_weights_into, load_lora_into,
                                load_training_state, save_checkpoint)
 from common.data import DEFAULT_DATASET, epoch_draw, load_prompts, sample_seeds, shard
-from common.distributed import (check_backend, load_optimizer_state_dict, lora_state_dict,
+from common.distributed import (configure_backend, load_optimizer_state_dict, lora_state_dict, micro_step,
                                 optimizer_state_dict, save_pretrained, shard_like, trainable)
 from common.dynamics import DYNAMICS
 from common.models import ADAPTERS, load_adapter, resolve_model_path
@@ -261,7 +260,7 @@ if __name__ == "__main__":
     output_dir = args.output_dir or f"runs/{args.exp_name}-{args.seed}"
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with="wandb" if args.track else None)
-    check_backend(accelerator)
+    configure_backend(accelerator, args.batch_size, args.max_grad_norm)
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     samples_per_epoch = args.prompts_per_epoch * args.group_size
     local = shard(samples_per_epoch, rank, world)
@@ -443,7 +442,7 @@ if __name__ == "__main__":
                         with old.active(adapter):
                             v_old = adapter.velocity(x_sigma, sigma, cond, guidance)
                         v_ref = reference_velocity(x_sigma, sigma, cond) if args.kl_beta > 0 else None
-                    with nullcontext() if last else accelerator.no_sync(transformer):
+                    with micro_step(accelerator, transformer, last):
                         v_theta = adapter.velocity(x_sigma, sigma, cond, guidance)
                         policy_loss, loss_pos, loss_neg = nft_loss(v_theta, v_old, x_sigma, x0, sigma, adv,
                                                                    args.nft_beta, args.adv_clip_max)

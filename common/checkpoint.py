@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from common.distributed import full_state_loading, is_sharded, load_lora_state_dict, model_state_dict
+from common.distributed import (full_state_loading, is_sharded, load_lora_state_dict, load_master_weights,
+                                lora_parameter_names, model_state_dict)
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
@@ -100,6 +101,8 @@ def load_lora_into(transformer, folder: Path) -> None:
         unexpected = getattr(set_peft_model_state_dict(transformer, state), "unexpected_keys", None)
     if unexpected:
         raise RuntimeError(f"LoRA checkpoint {folder} has keys the model lacks: {unexpected[:3]}")
+    names = lora_parameter_names(transformer, state)
+    load_master_weights(transformer, {names[k]: v for k, v in state.items()})
 
 
 def load_full_weights_into(transformer, folder: Path) -> None:
@@ -109,3 +112,4 @@ def load_full_weights_into(transformer, folder: Path) -> None:
         state.update(load_file(shard))
     with full_state_loading(transformer):
         transformer.load_state_dict(state, strict=True)
+    load_master_weights(transformer, state)

@@ -1,12 +1,15 @@
 """Sharded training on CPU processes (environment.md "Sharded training on CPU"): accelerate ignores FSDP and
 DeepSpeed on CPU, so the FSDP2 paths run through accelerate's own FSDP2 functions applied by
-tests/fsdp_launch.py, and every test asserts that the parameters really are DTensor shards."""
+tests/fsdp_launch.py, and every test asserts that the parameters really are DTensor shards; the DeepSpeed paths
+run through accelerate's own DeepSpeed code switched on by tests/deepspeed_launch.py, and the tests assert that
+a ZeRO-2 engine ran, with one optimizer step per accumulation boundary."""
 
 import json
 import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script
 
 TORCHRUN_2CPU = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -59,16 +62,33 @@ def test_fsdp2_configs_wrap_every_transformer_block(model):
         assert [name for name, m in transformer.named_modules() if policy(m)] == want, config
 
 
-def test_scripts_refuse_deepspeed():
-    from accelerate.utils import DistributedType
+def test_configure_backend_fills_deepspeed_config_and_refuses_zero3():
+    """Under DeepSpeed the scripts write their micro-batch size and --max-grad-norm into the config (accelerate
+    cannot infer them without a prepared DataLoader) and refuse what they cannot run; elsewhere nothing changes."""
+    from accelerate.utils import DeepSpeedPlugin, DistributedType
 
-    from common.distributed import check_backend
+    from common.distributed import configure_backend
     from common.utils import UserError
 
-    check_backend(SimpleNamespace(distributed_type=DistributedType.FSDP))
-    check_backend(SimpleNamespace(distributed_type=DistributedType.MULTI_GPU))
-    with pytest.raises(UserError, match="DeepSpeed is not supported"):
-        check_backend(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED))
+    printed = []
+
+    def accelerator(kind, **plugin):
+        state = SimpleNamespace(deepspeed_plugin=DeepSpeedPlugin(**plugin) if plugin else None)
+        return SimpleNamespace(distributed_type=kind, state=state, is_fsdp2=kind == DistributedType.FSDP,
+                               num_processes=8, device=torch.device("cuda"), print=printed.append)
+
+    configure_backend(accelerator(DistributedType.FSDP), 4, 1.0)  # no plugin to touch: nothing happens
+    configure_backend(accelerator(DistributedType.MULTI_GPU), 4, 1.0)
+    zero2 = accelerator(DistributedType.DEEPSPEED, zero_stage=2, gradient_clipping=1.0)
+    configure_backend(zero2, 4, 0.5)
+    config = zero2.state.deepspeed_plugin.deepspeed_config
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_clipping"],
+            config["gradient_accumulation_steps"]) == (4, 0.5, 1)
+    assert printed == [f"backend: {name}, 8 process(es) on cuda" for name in ("FSDP2", "MULTI_GPU", "DeepSpeed ZeRO-2")]
+    with pytest.raises(UserError, match="ZeRO stage 3 is not supported"):
+        configure_backend(accelerator(DistributedType.DEEPSPEED, zero_stage=3), 4, 1.0)
+    with pytest.raises(UserError, match="gradient_accumulation_steps: 1"):
+        configure_backend(accelerator(DistributedType.DEEPSPEED, zero_stage=2, gradient_accumulation_steps=4), 4, 1.0)
 
 
 @pytest.mark.parametrize("mode", ["lora", "full"])
@@ -145,3 +165,89 @@ def test_nft_full_finetune_under_fsdp2_matches_ddp(tmp_path, tiny_flux_path):
     b = FluxTransformer2DModel.from_pretrained(str(folder).format("ddp")).state_dict()
     assert a.keys() == b.keys()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4
+
+
+# ---- DeepSpeed ZeRO-2 ---------------------------------------------------------------------------------------
+DEEPSPEED = ["tests/deepspeed_launch.py", "configs/deepspeed_zero2.yaml"]
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_deepspeed_zero2_step_matches_plain(mode, tmp_path, tiny_flux_path):
+    """tests/deepspeed_step.py: two micro-steps per optimizer step on a ZeRO-2 engine (2 processes) equal the
+    plain run's steps on all samples: one DeepSpeed step per boundary, gradients averaged, clipped at
+    --max-grad-norm; the checkpoint holds ZeRO's float32 masters and full AdamW state, loads in diffusers, and
+    resumes into a fresh engine."""
+    out = tmp_path / "result.json"
+    run_script("tests/deepspeed_step.py", mode, out, tmp_path / "run", launcher=TORCHRUN_2CPU)
+    r = json.loads(out.read_text())
+    assert r["world"] == 2 and r["optimizer_steps"] == 2  # 4 backward calls, 2 boundaries
+    assert r["grad_norm"] > 0.05  # above the bound: clipping acted in both runs
+    assert r["loss_diff"] < 1e-6 and r["grad_norm_diff"] < 1e-6
+    assert r["moved"] > 1e-2
+    for stage, steps in (("after_2_steps", 2), ("after_resume_step", 3)):
+        assert r[stage]["adam_step"] == steps
+        assert r[stage]["optimizer"] < 1e-6, (stage, r[stage])
+        for key in ("weights", "ema", "shadow"):  # seen: 2e-6 (LoRA), 4e-6 (full)
+            assert r[stage][key] < 1e-4, (stage, key, r[stage])
+    assert r["reload"] < 1e-4
+    if mode == "lora":
+        assert r["lora_effect"] > 1e-2
+
+
+def test_grpo_script_under_deepspeed_matches_ddp_and_resumes(tmp_path, tiny_flux_path):
+    """algos/grpo.py unchanged under accelerate's DeepSpeed ZeRO-2 path, LoRA with KL and EMA: in float32 its
+    first epoch equals the DDP run; in bf16 (DeepSpeed casts the module, the optimizer keeps float32 masters) a
+    run stopped after 2 epochs and resumed equals the uninterrupted one, and the saved LoRA is the masters."""
+    from safetensors.torch import load_file
+
+    args = ["--preset", "tiny", "--eval-every", "1", "--eval-num-prompts", "4", "--batch-size", "4", "--ema",
+            "--kl-beta", "0.01", "--save-every", "1"]
+    out = run_script(*DEEPSPEED, "algos/grpo.py", *args, "--epochs", "1", "--output-dir", tmp_path / "ds",
+                     launcher=TORCHRUN_2CPU)
+    # tiny preset: 2 optimizer steps per epoch, each over 2 micro-batches x 7 trained steps of backward calls
+    assert "engine=DeepSpeedEngine zero_stage=2 optimizer=DeepSpeedZeroOptimizer world=2 optimizer_steps=2" \
+        in out.stdout
+    run_script("algos/grpo.py", *args, "--epochs", "1", "--output-dir", tmp_path / "ddp", launcher=ACCELERATE_2CPU)
+    (ds,), (ddp,) = _metrics(tmp_path / "ds"), _metrics(tmp_path / "ddp")
+    assert ds["reward_mean"] == ddp["reward_mean"]  # the same rollouts before any update
+    for key in ("loss", "policy_loss", "kl", "approx_kl", "ratio_mean", "eval_reward_mean"):
+        assert ds[key] == pytest.approx(ddp[key], rel=1e-4, abs=1e-9), key
+
+    bf16 = {"DEEPSPEED_LAUNCH_MIXED_PRECISION": "bf16"}
+    args += ["--dtype", "bfloat16"]
+    run_script(*DEEPSPEED, "algos/grpo.py", *args, "--epochs", "3", "--output-dir", tmp_path / "full",
+               launcher=TORCHRUN_2CPU, env=bf16)
+    run_script(*DEEPSPEED, "algos/grpo.py", *args, "--epochs", "2", "--output-dir", tmp_path / "resumed",
+               launcher=TORCHRUN_2CPU, env=bf16)
+    out = run_script(*DEEPSPEED, "algos/grpo.py", *args, "--epochs", "3", "--output-dir", tmp_path / "resumed",
+                     "--resume", launcher=TORCHRUN_2CPU, env=bf16)
+    assert "optimizer_steps=2" in out.stdout  # the resumed run took only the third epoch's steps
+    assert _metrics(tmp_path / "resumed") == _metrics(tmp_path / "full")
+    lora = load_file(tmp_path / "full" / "checkpoints" / "epoch_000002" / "pytorch_lora_weights.safetensors")
+    assert lora and {v.dtype for v in lora.values()} == {torch.float32}
+    assert any((v.float() != v.bfloat16().float()).any() for v in lora.values())  # not bf16 values
+
+
+@pytest.mark.parametrize("script", ["grpo_guard", "mixgrpo", "nft", "awm"])
+def test_other_scripts_run_under_deepspeed(script, tmp_path, tiny_flux_path):
+    """Every other script, unchanged, LoRA and (nft) full fine-tuning: one epoch under ZeRO-2 with one optimizer
+    step per --updates-per-epoch, and a checkpoint that loads."""
+    extra = ["--full-finetune", "--learning-rate", "1e-3", "--kl-beta", "0.01"] if script == "nft" else []
+    out = run_script(*DEEPSPEED, f"algos/{script}.py", "--preset", "tiny", "--epochs", "1", "--batch-size", "4",
+                     "--eval-every", "0", *extra, "--output-dir", tmp_path / "ds", launcher=TORCHRUN_2CPU)
+    (metrics,) = read_metrics(tmp_path / "ds")
+    line = next(x for x in out.stdout.splitlines() if x.startswith("deepspeed_launch:"))
+    assert "zero_stage=2" in line and "world=2" in line
+    assert int(line.rsplit("optimizer_steps=", 1)[1]) == _updates_per_epoch(script)
+    assert all(v == v for v in metrics.values() if isinstance(v, float))  # no NaN
+    checkpoint = tmp_path / "ds" / "checkpoints" / "epoch_000000"
+    assert (checkpoint / ("transformer" if extra else "pytorch_lora_weights.safetensors")).exists()
+
+
+def _updates_per_epoch(script: str) -> int:
+    """The tiny preset's optimizer steps per epoch."""
+    import runpy
+    from dataclasses import replace
+
+    module = runpy.run_path(str(REPO / "algos" / f"{script}.py"))
+    return replace(module["Args"](), **module["PRESETS"]["tiny"]).updates_per_epoch
