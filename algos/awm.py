@@ -30,7 +30,8 @@ from common.timesampling import (TIME_SAMPLINGS, check_time_sampling, sample_tra
                                  training_generators, training_seeds)
 from common.tracking import MetricsLog, format_metrics, save_image_grid
 from common.training import adapters_disabled, add_lora, trainable_parameters
-from common.utils import UserError, install_user_error_hook, peak_memory_gb, quiet_libraries, resolve_dtype
+from common.utils import (UserError, avoid_cudnn_attention, install_user_error_hook, peak_memory_gb,
+                          quiet_libraries, resolve_dtype)
 from rewards import load_rewards, score_samples
 
 SAMPLERS = DYNAMICS + ("dpm",)  # the step dynamics, or the deterministic multistep solver
@@ -238,6 +239,7 @@ def clipped_policy_loss(log_prob, log_prob_old, advantages, clip_range: float):
 if __name__ == "__main__":
     install_user_error_hook()
     quiet_libraries()
+    avoid_cudnn_attention()
     args = parse_args()
 
     # ---- validate the flags before anything is loaded or written -----------------------------------

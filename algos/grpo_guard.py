@@ -26,7 +26,8 @@ from common.models import ADAPTERS, load_adapter, resolve_model_path
 from common.sampling import rollout, sample_generators
 from common.tracking import MetricsLog, format_metrics, save_image_grid
 from common.training import EMA, adapters_disabled, add_lora, trainable_parameters
-from common.utils import UserError, install_user_error_hook, peak_memory_gb, quiet_libraries, resolve_dtype
+from common.utils import (UserError, avoid_cudnn_attention, install_user_error_hook, peak_memory_gb,
+                          quiet_libraries, resolve_dtype)
 from rewards import load_rewards, score_samples
 
 
@@ -186,6 +187,7 @@ def regulated_log_ratio(x_next: torch.Tensor, mean: torch.Tensor, mean_old: torc
 if __name__ == "__main__":
     install_user_error_hook()
     quiet_libraries()
+    avoid_cudnn_attention()
     args = parse_args()
 
     # ---- validate the flags before anything is loaded or written -----------------------------------

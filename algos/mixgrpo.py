@@ -28,7 +28,8 @@ from common.models import ADAPTERS, load_adapter, resolve_model_path
 from common.sampling import rollout, sample_generators
 from common.tracking import MetricsLog, format_metrics, save_image_grid
 from common.training import EMA, adapters_disabled, add_lora, trainable_parameters
-from common.utils import UserError, install_user_error_hook, peak_memory_gb, quiet_libraries, resolve_dtype
+from common.utils import (UserError, avoid_cudnn_attention, install_user_error_hook, peak_memory_gb,
+                          quiet_libraries, resolve_dtype)
 from rewards import load_rewards, score_samples
 
 WINDOW_SCHEDULES = ("progressive", "random", "decay", "exp_decay")
@@ -253,6 +254,7 @@ def flash_sigmas(adapter, sigmas: torch.Tensor, last: int, ratio: float) -> torc
 if __name__ == "__main__":
     install_user_error_hook()
     quiet_libraries()
+    avoid_cudnn_attention()
     args = parse_args()
 
     # ---- validate the flags before anything is loaded or written -----------------------------------

@@ -29,7 +29,8 @@ from common.timesampling import (TIME_SAMPLINGS, check_time_sampling, default_nu
                                  sample_train_sigmas, training_generators, training_seeds)
 from common.tracking import MetricsLog, format_metrics, save_image_grid
 from common.training import adapters_disabled, add_lora, trainable_parameters
-from common.utils import UserError, install_user_error_hook, peak_memory_gb, quiet_libraries, resolve_dtype
+from common.utils import (UserError, avoid_cudnn_attention, install_user_error_hook, peak_memory_gb,
+                          quiet_libraries, resolve_dtype)
 from rewards import load_rewards, score_samples
 
 SAMPLERS = DYNAMICS + ("dpm",)  # the step dynamics, or the deterministic multistep solver
@@ -229,6 +230,7 @@ def nft_loss(v_theta, v_old, x_sigma, x0, sigma, advantages, beta: float, adv_cl
 if __name__ == "__main__":
     install_user_error_hook()
     quiet_libraries()
+    avoid_cudnn_attention()
     args = parse_args()
 
     # ---- validate the flags before anything is loaded or written -----------------------------------

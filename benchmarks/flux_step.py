@@ -22,7 +22,7 @@ from common.models import FluxAdapter, load_adapter
 from common.sampling import sample_generators
 from common.tiny import tiny_model_path
 from common.training import add_lora, trainable_parameters
-from common.utils import quiet_libraries, resolve_dtype
+from common.utils import avoid_cudnn_attention, quiet_libraries, resolve_dtype
 
 # black-forest-labs/FLUX.1-dev transformer/config.json (≈11.9B parameters).
 FLUX1_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
@@ -136,6 +136,7 @@ def measure(adapter, params, optimizer, args: Args, device) -> dict:
 if __name__ == "__main__":
     args = tyro.cli(Args)
     quiet_libraries()
+    avoid_cudnn_attention()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(args.dtype, device)
     torch.manual_seed(0)

@@ -50,3 +50,11 @@ def quiet_libraries() -> None:
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+
+
+def avoid_cudnn_attention() -> None:
+    """Training on Hopper GPUs: since torch 2.11 the default scaled_dot_product_attention backend there, cuDNN,
+    returns non-finite gradients for some shapes (pytorch/pytorch#196678; on an H200 with torch 2.11 every LoRA
+    GRPO step of the tiny FLUX.1 had them), so attention runs on the flash / memory-efficient kernels instead.
+    Forward results are the same to rounding; nothing changes on CPUs."""
+    torch.backends.cuda.enable_cudnn_sdp(False)

@@ -105,3 +105,21 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_flux_path):
     assert grads[True].keys() == grads[False].keys() and len(grads[True]) > 10
     for name in grads[False]:
         torch.testing.assert_close(grads[True][name], grads[False][name], rtol=1e-5, atol=1e-7)
+
+
+def test_training_scripts_turn_off_cudnn_attention():
+    """cuDNN's attention backward gave wrong or non-finite gradients on an H200 with torch 2.11 (README,
+    "Multi-GPU"): every training script and the step benchmark switch it off before building anything."""
+    from conftest import REPO
+
+    from common.utils import avoid_cudnn_attention
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        avoid_cudnn_attention()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+    for script in [*sorted((REPO / "algos").glob("*.py")), REPO / "benchmarks" / "flux_step.py"]:
+        assert "    avoid_cudnn_attention()\n" in script.read_text(), script.name
