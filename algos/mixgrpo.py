@@ -22,7 +22,7 @@ from common.checkpoint import (LORA_FILE, latest_checkpoint, load_full_weights_i
                                load_training_state, save_checkpoint)
 from common.data import DEFAULT_DATASET, epoch_draw, load_prompts, sample_seeds, shard
 from common.distributed import (configure_backend, load_optimizer_state_dict, lora_state_dict, micro_step,
-                                optimizer_state_dict, save_pretrained, shard_like, trainable)
+                                optimizer_state_dict, place_like, save_pretrained, staging_device, trainable)
 from common.dynamics import DYNAMICS, sde_step
 from common.models import ADAPTERS, load_adapter, resolve_model_path
 from common.sampling import rollout, sample_generators
@@ -318,7 +318,8 @@ if __name__ == "__main__":
     guidance = args.guidance_scale if args.guidance_scale is not None else adapter.default_guidance_scale
     encode = PromptEncoder(adapter, cache)
     accelerator.print(f"prompt embeddings: {cache.folder if cache else 'encoded online'}")
-    transformer = adapter.transformer
+    # (full fine-tuning under FSDP2/DeepSpeed: on the CPU until `prepare`, see staging_device)
+    transformer = adapter.transformer.to(staging_device(accelerator, args.full_finetune))
     reference = None
     if args.full_finetune:
         if args.kl_beta > 0:  # a frozen copy is the only reference a full fine-tune has
@@ -335,9 +336,9 @@ if __name__ == "__main__":
     adapter.transformer = transformer  # rollout and training run the same (wrapped) module
     unwrapped = accelerator.unwrap_model(transformer)
     # FSDP2 (configs/fsdp2*.yaml) replaces the parameters by DTensor shards: read them again, and shard a
-    # frozen full-fine-tune reference the same way. Without sharding both lines change nothing.
+    # frozen full-fine-tune reference the same way (or bring it to the GPU after staging on the CPU).
     params = trainable(unwrapped)
-    reference = shard_like(reference, unwrapped)
+    reference = place_like(reference, unwrapped)
     ema = EMA(params, args.ema_decay, module=unwrapped) if args.ema else None
 
     os.makedirs(output_dir, exist_ok=True)

@@ -299,16 +299,32 @@ def _load_deepspeed_optimizer_state(masters: dict, zero_optimizer, state: dict) 
             safe_set_full_optimizer_state(p, state["state"][name][k].to(p.device), k)
 
 
-def shard_like(copy: torch.nn.Module | None, sharded: torch.nn.Module) -> torch.nn.Module | None:
-    """Shard a frozen full copy (the KL reference, a θ_old/EMA model) the way `sharded` is: fully_shard on the
-    submodules that are FSDP units there, innermost first, then the root. Unchanged when `sharded` is not."""
-    if copy is None or not is_sharded(sharded):
+def staging_device(accelerator, full_finetune: bool) -> torch.device:
+    """Where the transformer waits until `prepare`. Full fine-tuning under FSDP2 or DeepSpeed: on the CPU, since
+    `prepare` moves it to the GPU sharded (FSDP2) or cast to bf16 (DeepSpeed); building the float32 master weights
+    and the frozen copies (KL reference, θ_old) on the GPU first would need about 120 GB for FLUX.1-dev. Elsewhere:
+    the accelerator."""
+    from accelerate.utils import DistributedType
+
+    sharding = getattr(accelerator, "is_fsdp2", False) or accelerator.distributed_type == DistributedType.DEEPSPEED
+    return torch.device("cpu") if full_finetune and sharding else accelerator.device
+
+
+def place_like(copy: torch.nn.Module | None, trained: torch.nn.Module) -> torch.nn.Module | None:
+    """Put a frozen full copy (the KL reference, a θ_old/EMA model) where the trained model is after `prepare`:
+    under FSDP2 sharded the same way (fully_shard on the submodules that are FSDP units there, innermost first,
+    then the root, which also moves a copy that waited on the CPU to the GPU); otherwise on its device."""
+    if copy is None:
+        return None
+    if not is_sharded(trained):
+        return copy.to(next(trained.parameters()).device)
+    if is_sharded(copy):
         return copy
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    mesh = next(p.device_mesh for p in sharded.parameters() if isinstance(p, DTensor))
+    mesh = next(p.device_mesh for p in trained.parameters() if isinstance(p, DTensor))
     # (an activation-checkpoint wrapper and the block inside it can both be units: one name)
-    units = {canonical(name) for name, m in sharded.named_modules() if isinstance(m, FSDPModule) and name}
+    units = {canonical(name) for name, m in trained.named_modules() if isinstance(m, FSDPModule) and name}
     copies = {canonical(name): m for name, m in copy.named_modules()}
     for name in sorted(units, key=lambda n: -n.count(".")):
         fully_shard(copies[name], mesh=mesh)

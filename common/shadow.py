@@ -6,7 +6,8 @@ module to it, and back to the trained adapter ("default") on exit. With full fin
 deepcopy of the transformer. The adapter is switched on the unwrapped module; a DDP wrapper only forwards
 to it, and every forward through the shadow runs under no_grad, so DDP never sees the switch.
 Under FSDP2 the parameters are looked up by name at each use (`prepare` replaces them by DTensor shards) and a
-full copy is sharded like the trained model, so blending works shard by shard.
+full copy is sharded like the trained model, so blending works shard by shard; a copy made while the model waited
+on the CPU (common.distributed.staging_device) follows it to the GPU.
 """
 
 import copy
@@ -15,7 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
-from common.distributed import copy_full_, full_tensor, is_sharded, named_parameters, reshard, shard_like
+from common.distributed import copy_full_, full_tensor, named_parameters, place_like, reshard
 
 
 class ShadowPolicy:
@@ -51,9 +52,9 @@ class ShadowPolicy:
         return [(shadow[k], trained[k]) for k in self.keys]
 
     def _full_copy(self) -> torch.nn.Module:
-        """The frozen copy of a full fine-tune, sharded like the trained model once that is (FSDP2)."""
-        if is_sharded(self.transformer) and not is_sharded(self.module):
-            self.module = shard_like(self.module, self.transformer)
+        """The frozen copy of a full fine-tune, placed like the trained model once that is prepared (sharded
+        under FSDP2; moved to the GPU if it was made while the model waited on the CPU)."""
+        self.module = place_like(self.module, self.transformer)
         return self.module
 
     @contextmanager

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from common.checkpoint import load_full_weights_into, load_lora_into, load_training_state, save_checkpoint  # noqa: E402
 from common.distributed import (load_optimizer_state_dict, lora_state_dict, model_state_dict,  # noqa: E402
-                                optimizer_state_dict, save_pretrained, shard_like, trainable)
+                                optimizer_state_dict, save_pretrained, place_like, trainable)
 from common.dynamics import sde_step  # noqa: E402
 from common.models import load_adapter  # noqa: E402
 from common.shadow import ShadowPolicy  # noqa: E402
@@ -69,7 +69,7 @@ class Run:
         if sharded:  # what accelerate's FSDP2 prepare does, then the scripts' lines after prepare
             self.transformer = fsdp2_prepare(accelerator, self.transformer, self.optimizer, CONFIG)
             self.adapter.transformer = self.transformer
-            self.reference = shard_like(self.reference, self.transformer)
+            self.reference = place_like(self.reference, self.transformer)
         self.params = trainable(self.transformer)
         self.ema = EMA(self.params, 0.5, module=self.transformer)  # made after prepare, as in grpo.py
         self.samples = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2) if sharded else slice(0, BATCH)

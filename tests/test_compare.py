@@ -3,7 +3,6 @@ computation of our own from the runs' metrics.jsonl, and the plot."""
 
 import importlib.util
 import math
-from pathlib import Path
 
 import numpy as np
 from PIL import Image

@@ -91,6 +91,25 @@ def test_configure_backend_fills_deepspeed_config_and_refuses_zero3():
         configure_backend(accelerator(DistributedType.DEEPSPEED, zero_stage=2, gradient_accumulation_steps=4), 4, 1.0)
 
 
+def test_full_finetune_waits_on_the_cpu_until_prepare_under_sharding():
+    """staging_device: only full fine-tuning under FSDP2 or DeepSpeed stages the transformer on the CPU; place_like
+    then brings an unsharded frozen copy to wherever the trained model went (here the meta device stands in for
+    a GPU: the copy's parameters must follow)."""
+    from accelerate.utils import DistributedType
+
+    from common.distributed import place_like, staging_device
+
+    cuda = torch.device("cuda")
+    cases = [(DistributedType.FSDP, True, True, "cpu"), (DistributedType.DEEPSPEED, False, True, "cpu"),
+             (DistributedType.FSDP, True, False, "cuda"), (DistributedType.MULTI_GPU, False, True, "cuda")]
+    for kind, fsdp2, full, want in cases:
+        accelerator = SimpleNamespace(distributed_type=kind, is_fsdp2=fsdp2, device=cuda)
+        assert staging_device(accelerator, full).type == want, (kind, full)
+    trained, copy = torch.nn.Linear(2, 2, device="meta"), torch.nn.Linear(2, 2)
+    assert place_like(copy, trained).weight.device.type == "meta"
+    assert place_like(None, trained) is None
+
+
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_fsdp2_step_matches_unsharded(mode, tmp_path, tiny_flux_path):
     """tests/fsdp_step.py: loss, KL to the reference, θ_old shadow, EMA, clipping and AdamW on 2 shards equal the
@@ -146,7 +165,7 @@ def test_grpo_script_under_fsdp2_matches_ddp_and_resumes(tmp_path, tiny_flux_pat
 
 def test_nft_full_finetune_under_fsdp2_matches_ddp(tmp_path, tiny_flux_path):
     """algos/nft.py full fine-tuning with a KL reference: the frozen reference and the θ_old copy are sharded
-    like the trained model (shard_like); the first epoch equals DDP and the checkpoint loads with from_pretrained."""
+    like the trained model (place_like); the first epoch equals DDP and the checkpoint loads with from_pretrained."""
     from diffusers import FluxTransformer2DModel
 
     args = ["--preset", "tiny", "--epochs", "1", "--full-finetune", "--learning-rate", "1e-3", "--kl-beta", "0.01",
