@@ -317,7 +317,8 @@ def place_like(copy: torch.nn.Module | None, trained: torch.nn.Module) -> torch.
     if copy is None:
         return None
     if not is_sharded(trained):
-        return copy.to(next(trained.parameters()).device)
+        device = next(trained.parameters()).device
+        return copy if next(copy.parameters()).device == device else copy.to(device)
     if is_sharded(copy):
         return copy
     from torch.distributed.fsdp import FSDPModule, fully_shard
