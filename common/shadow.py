@@ -46,7 +46,11 @@ class ShadowPolicy:
         reshard(self.transformer)
         trained = named_parameters(self.transformer)
         if not self.full_finetune:
-            return [(trained[k.replace(".default.", f".{self.name}.")], trained[k]) for k in self.keys]
+            pairs = [(trained[k.replace(".default.", f".{self.name}.")], trained[k]) for k in self.keys]
+            for s, _ in pairs:
+                if s.dtype != torch.float32:  # DeepSpeed bf16 casts the whole module, this adapter too: a blend
+                    s.data = s.data.float()   # with decay near 1 would move it by less than one bf16 step
+            return pairs
         reshard(self._full_copy())
         shadow = named_parameters(self.module)
         return [(shadow[k], trained[k]) for k in self.keys]

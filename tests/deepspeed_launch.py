@@ -52,7 +52,8 @@ def _init(config_file, mixed_precision):
 
 if __name__ == "__main__":
     os.environ.setdefault("ACCELERATE_USE_CPU", "true")  # gloo process group, as the CPU tests launch scripts
-    # DeepSpeed's bf16 path needs an accelerator's autocast; on CPU the tests run it in float32 unless asked.
+    # float32 unless asked: with bf16 DeepSpeed casts the module, so the script needs --dtype bfloat16 (the GPU
+    # default) for its inputs to match.
     mixed_precision = os.environ.get("DEEPSPEED_LAUNCH_MIXED_PRECISION", "no")
     config_file, script = sys.argv[1], sys.argv[2]
     Accelerator.__init__ = _init(config_file, mixed_precision)

@@ -263,6 +263,20 @@ def test_other_scripts_run_under_deepspeed(script, tmp_path, tiny_flux_path):
     assert (checkpoint / ("transformer" if extra else "pytorch_lora_weights.safetensors")).exists()
 
 
+def test_nft_lora_under_deepspeed_bf16_blends_theta_old_in_float32(tmp_path, tiny_flux_path):
+    """DeepSpeed bf16 casts the whole module, the θ_old LoRA adapter too; its blends (decay up to 0.999 in the
+    FLUX preset, below one bf16 step) must still happen in float32."""
+    out = run_script(*DEEPSPEED, "algos/nft.py", "--preset", "tiny", "--epochs", "2", "--batch-size", "4",
+                     "--eval-every", "0", "--dtype", "bfloat16", "--decay-flat", "0", "--decay-uprate", "0.4",
+                     "--output-dir", tmp_path / "ds", launcher=TORCHRUN_2CPU,
+                     env={"DEEPSPEED_LAUNCH_MIXED_PRECISION": "bf16"})
+    assert "zero_stage=2" in out.stdout
+    state = torch.load(tmp_path / "ds" / "checkpoints" / "epoch_000001" / "training_state.pt", weights_only=True)
+    old = state["old"]["weights"]
+    assert old and {w.dtype for w in old} == {torch.float32}
+    assert any((w != w.bfloat16().float()).any() for w in old)  # blended values bf16 cannot hold
+
+
 def _updates_per_epoch(script: str) -> int:
     """The tiny preset's optimizer steps per epoch."""
     import runpy
