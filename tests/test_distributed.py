@@ -249,18 +249,21 @@ def test_grpo_script_under_deepspeed_matches_ddp_and_resumes(tmp_path, tiny_flux
 
 @pytest.mark.parametrize("script", ["grpo_guard", "mixgrpo", "nft", "awm"])
 def test_other_scripts_run_under_deepspeed(script, tmp_path, tiny_flux_path):
-    """Every other script, unchanged, LoRA and (nft) full fine-tuning: one epoch under ZeRO-2 with one optimizer
-    step per --updates-per-epoch, and a checkpoint that loads."""
-    extra = ["--full-finetune", "--learning-rate", "1e-3", "--kl-beta", "0.01"] if script == "nft" else []
+    """Every other script, unchanged, LoRA and (nft) full fine-tuning, in bf16 as on GPUs (DeepSpeed casts the
+    module, θ_old and EMA-sampler adapters included): one epoch under ZeRO-2 with one optimizer step per
+    --updates-per-epoch, and a checkpoint."""
+    extra = {"nft": ["--full-finetune", "--learning-rate", "1e-3", "--kl-beta", "0.01"],
+             "awm": ["--off-policy"]}.get(script, [])  # awm samples with its EMA adapter
     out = run_script(*DEEPSPEED, f"algos/{script}.py", "--preset", "tiny", "--epochs", "1", "--batch-size", "4",
-                     "--eval-every", "0", *extra, "--output-dir", tmp_path / "ds", launcher=TORCHRUN_2CPU)
+                     "--eval-every", "0", "--dtype", "bfloat16", *extra, "--output-dir", tmp_path / "ds",
+                     launcher=TORCHRUN_2CPU, env={"DEEPSPEED_LAUNCH_MIXED_PRECISION": "bf16"})
     (metrics,) = read_metrics(tmp_path / "ds")
     line = next(x for x in out.stdout.splitlines() if x.startswith("deepspeed_launch:"))
     assert "zero_stage=2" in line and "world=2" in line
     assert int(line.rsplit("optimizer_steps=", 1)[1]) == _updates_per_epoch(script)
     assert all(v == v for v in metrics.values() if isinstance(v, float))  # no NaN
     checkpoint = tmp_path / "ds" / "checkpoints" / "epoch_000000"
-    assert (checkpoint / ("transformer" if extra else "pytorch_lora_weights.safetensors")).exists()
+    assert (checkpoint / ("transformer" if script == "nft" else "pytorch_lora_weights.safetensors")).exists()
 
 
 def test_nft_lora_under_deepspeed_bf16_blends_theta_old_in_float32(tmp_path, tiny_flux_path):
