@@ -30,13 +30,13 @@ from accelerate.utils import DistributedType  # noqa: E402
 from deepspeed_launch import deepspeed_plugin  # noqa: E402
 
 from common.checkpoint import load_full_weights_into, load_lora_into, load_training_state, save_checkpoint  # noqa: E402
-from common.distributed import (configure_backend, lora_state_dict, load_optimizer_state_dict,  # noqa: E402
-                                micro_step, model_state_dict, optimizer_state_dict, save_pretrained, trainable)
-from common.dynamics import sde_step  # noqa: E402
+from common.distributed import (configure_backend, load_optimizer_state_dict, lora_state_dict,  # noqa: E402
+                                micro_step, optimizer_state_dict, save_pretrained, trainable)
 from common.models import load_adapter  # noqa: E402
 from common.shadow import ShadowPolicy  # noqa: E402
 from common.tiny import tiny_model_path  # noqa: E402
-from common.training import EMA, adapters_disabled, add_lora, trainable_parameters  # noqa: E402
+from step_common import batch, compare, full_states, reload_diffs, step_loss  # noqa: E402
+from common.training import EMA, add_lora, trainable_parameters  # noqa: E402
 
 mode, out_path, ckpt_dir = sys.argv[1], sys.argv[2], sys.argv[3]
 FULL = mode == "full"
@@ -51,7 +51,7 @@ rank, world = accelerator.process_index, accelerator.num_processes
 assert world == 2, f"run under a 2-process launcher, got {world} process(es)"
 cpu = torch.device("cpu")
 PATH = str(tiny_model_path("flux1"))
-BATCH, CLIP, ETA, GUIDANCE, MAX_GRAD_NORM = 4, 1e-2, 0.8, 3.5, 0.05  # a norm bound the steps exceed: clipping acts
+MAX_GRAD_NORM = 0.05  # a bound the steps' gradient norms exceed: clipping acts
 configure_backend(accelerator, 1, MAX_GRAD_NORM)
 
 
@@ -92,7 +92,7 @@ class Run:
             last = k == len(self.micro) - 1
             context = micro_step(accelerator, self.engine, last) if self.deepspeed else torch.enable_grad()
             with context:
-                loss = self.loss({key: (v[ids] if torch.is_tensor(v) and v.dim() else v) for key, v in data.items()})
+                loss = step_loss(self, {key: (v[ids] if torch.is_tensor(v) and v.dim() else v) for key, v in data.items()}, FULL)
                 if self.deepspeed:
                     accelerator.backward(loss / len(self.micro))
                 else:
@@ -108,72 +108,11 @@ class Run:
         self.shadow.blend(0.5)
         return total
 
-    def loss(self, d: dict) -> torch.Tensor:
-        adapter, s0, s1 = self.adapter, d["sigma"], d["sigma_next"]
-        x, x_next, log_prob_old, adv = d["x"], d["x_next"], d["log_prob_old"], d["adv"]
-        v = adapter.velocity(x, s0, d, GUIDANCE)
-        _, log_prob, mean, std = sde_step("flow-sde", v, x, s0, s1, ETA, prev_sample=x_next)
-        ratio = torch.exp(log_prob - log_prob_old)
-        policy_loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - CLIP, 1 + CLIP)).mean()
-        with torch.no_grad():
-            if FULL:
-                trained, adapter.transformer = adapter.transformer, self.reference
-                v_ref = adapter.velocity(x, s0, d, GUIDANCE)
-                adapter.transformer = trained
-            else:
-                with adapters_disabled(self.transformer):
-                    v_ref = adapter.velocity(x, s0, d, GUIDANCE)
-            _, _, mean_ref, _ = sde_step("flow-sde", v_ref, x, s0, s1, ETA, prev_sample=x_next)
-            with self.shadow.active(adapter):
-                v_old = adapter.velocity(x, s0, d, GUIDANCE)
-        s = std / torch.sqrt(s0 - s1)
-        kl = (((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * s.flatten() ** 2)).mean()
-        return policy_loss + 0.5 * kl + 0.5 * ((v - v_old) ** 2).mean()
-
     def write_weights(self, folder, state):  # as in the scripts
         if FULL:
             save_pretrained(self.transformer, os.path.join(folder, "transformer"), state)
         else:
             self.adapter.save_lora(folder, lora_state_dict(self.transformer, state, adapter_name="default"))
-
-
-def batch(seed: int, adapter) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    cfg = adapter.config
-    tokens = adapter.latent_h * adapter.latent_w // 4
-    sigmas = adapter.sigmas(4)
-    x = torch.randn(BATCH, tokens, cfg.in_channels, generator=g)
-    return {"x": x, "x_next": x + 0.1 * torch.randn(x.shape, generator=g),
-            "log_prob_old": -1.5 + 0.01 * torch.randn(BATCH, generator=g),
-            "adv": torch.tensor([1.0, -0.5, 0.8, -1.3]),
-            "prompt_embeds": torch.randn(BATCH, 32, cfg.joint_attention_dim, generator=g),
-            "pooled_prompt_embeds": torch.randn(BATCH, cfg.pooled_projection_dim, generator=g),
-            "sigma": sigmas[1], "sigma_next": sigmas[2]}
-
-
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:4]
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-
-
-def full_states(run: Run) -> dict:
-    """Everything a checkpoint holds, as whole tensors (collectives on the DeepSpeed run: call on all ranks)."""
-    return {"model": model_state_dict(run.transformer), "optimizer": optimizer_state_dict(run.transformer, run.optimizer),
-            "ema": run.ema.state_dict()["shadow"], "shadow": run.shadow.state_dict()["weights"]}
-
-
-def compare(plain_run: Run, ds: dict, plain: dict) -> dict:
-    """Largest differences between the DeepSpeed run's gathered states and the plain run's."""
-    names = [n for n, p in plain_run.transformer.named_parameters() if p.requires_grad]
-    by_index = plain["optimizer"]["state"]
-    adam = {f"{n}.{k}": by_index[i][k] for i, n in enumerate(names) for k in ("exp_avg", "exp_avg_sq")}
-    adam_ds = {f"{n}.{k}": ds["optimizer"]["state"][n][k] for n in names for k in ("exp_avg", "exp_avg_sq")}
-    steps = {float(s["step"]) for s in ds["optimizer"]["state"].values()} | {float(by_index[0]["step"])}
-    assert len(steps) == 1, steps  # one AdamW step per boundary, as the plain run's
-    return {"weights": max_diff(ds["model"], plain["model"]), "optimizer": max_diff(adam_ds, adam),
-            "ema": max_diff(dict(enumerate(ds["ema"])), dict(enumerate(plain["ema"]))),
-            "shadow": max_diff(dict(enumerate(ds["shadow"])), dict(enumerate(plain["shadow"]))),
-            "adam_step": steps.pop()}
 
 
 plain, ds = Run(deepspeed=False), Run(deepspeed=True)
@@ -203,28 +142,8 @@ folder = save_checkpoint(accelerator, ckpt_dir, 1, ds.write_weights,
                          {"optimizer": optimizer_state_dict(ds.transformer, ds.optimizer),
                           "ema": ds.ema.state_dict(), "old": ds.shadow.state_dict()},
                          {"full_finetune": FULL}, model=ds.transformer)
-if rank == 0:
-    probe = data[2]
-    with torch.no_grad():
-        if FULL:
-            from diffusers import FluxTransformer2DModel
-
-            loaded = FluxTransformer2DModel.from_pretrained(folder / "transformer")
-            result["reload"] = max_diff(loaded.state_dict(), plain.transformer.state_dict())
-        else:
-            from diffusers import FluxPipeline
-
-            pipe = FluxPipeline.from_pretrained(PATH)
-            pipe.load_lora_weights(folder)
-            trained = plain.adapter.transformer
-            want = plain.adapter.velocity(probe["x"], probe["sigma"], probe, GUIDANCE)
-            plain.adapter.transformer = pipe.transformer
-            got = plain.adapter.velocity(probe["x"], probe["sigma"], probe, GUIDANCE)
-            plain.adapter.transformer = trained
-            with adapters_disabled(trained):
-                base = plain.adapter.velocity(probe["x"], probe["sigma"], probe, GUIDANCE)
-            result["reload"] = float((got - want).abs().max())
-            result["lora_effect"] = float((want - base).abs().max())  # the LoRA changes the output
+if rank == 0:  # the saved files read back by diffusers
+    result.update(reload_diffs(folder, plain, PATH, FULL, data[2]))
 accelerator.wait_for_everyone()
 
 resumed = Run(deepspeed=True)

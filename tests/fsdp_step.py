@@ -31,13 +31,13 @@ from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from common.checkpoint import load_full_weights_into, load_lora_into, load_training_state, save_checkpoint  # noqa: E402
-from common.distributed import (load_optimizer_state_dict, lora_state_dict, model_state_dict,  # noqa: E402
-                                optimizer_state_dict, save_pretrained, place_like, trainable)
-from common.dynamics import sde_step  # noqa: E402
+from common.distributed import (load_optimizer_state_dict, lora_state_dict, optimizer_state_dict,  # noqa: E402
+                                place_like, save_pretrained, trainable)
 from common.models import load_adapter  # noqa: E402
 from common.shadow import ShadowPolicy  # noqa: E402
 from common.tiny import tiny_model_path  # noqa: E402
-from common.training import EMA, adapters_disabled, add_lora, trainable_parameters  # noqa: E402
+from step_common import BATCH, GUIDANCE, batch, compare, full_states, reload_diffs, step_loss  # noqa: E402
+from common.training import EMA, add_lora, trainable_parameters  # noqa: E402
 
 mode, out_path, ckpt_dir = sys.argv[1], sys.argv[2], sys.argv[3]
 FULL = mode == "full"
@@ -47,7 +47,6 @@ assert world == 2, f"run under a 2-process launcher, got {world} process(es)"
 cpu = torch.device("cpu")
 PATH = str(tiny_model_path("flux1"))
 CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "fsdp2.yaml")  # with activation checkpointing
-BATCH, CLIP, ETA, GUIDANCE = 4, 1e-2, 0.8, 3.5
 
 
 class Run:
@@ -76,29 +75,8 @@ class Run:
 
     def step(self, data: dict) -> float:
         """One optimizer step on this run's samples; returns the loss (a mean over them)."""
-        mb = self.samples
-        x, x_next, log_prob_old, adv = (data[k][mb] for k in ("x", "x_next", "log_prob_old", "adv"))
-        cond = {k: data[k][mb] for k in ("prompt_embeds", "pooled_prompt_embeds")}
-        s0, s1 = data["sigma"], data["sigma_next"]
-        adapter = self.adapter
-        v = adapter.velocity(x, s0, cond, GUIDANCE)
-        _, log_prob, mean, std = sde_step("flow-sde", v, x, s0, s1, ETA, prev_sample=x_next)
-        ratio = torch.exp(log_prob - log_prob_old)
-        policy_loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - CLIP, 1 + CLIP)).mean()
-        with torch.no_grad():
-            if FULL:
-                trained, adapter.transformer = adapter.transformer, self.reference
-                v_ref = adapter.velocity(x, s0, cond, GUIDANCE)
-                adapter.transformer = trained
-            else:
-                with adapters_disabled(self.transformer):
-                    v_ref = adapter.velocity(x, s0, cond, GUIDANCE)
-            _, _, mean_ref, _ = sde_step("flow-sde", v_ref, x, s0, s1, ETA, prev_sample=x_next)
-            with self.shadow.active(adapter):
-                v_old = adapter.velocity(x, s0, cond, GUIDANCE)
-        s = std / torch.sqrt(s0 - s1)
-        kl = (((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * s.flatten() ** 2)).mean()
-        loss = policy_loss + 0.5 * kl + 0.5 * ((v - v_old) ** 2).mean()
+        mine = {k: (v[self.samples] if torch.is_tensor(v) and v.dim() else v) for k, v in data.items()}
+        loss = step_loss(self, mine, FULL)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.optimizer.step()
@@ -112,43 +90,6 @@ class Run:
             save_pretrained(self.transformer, os.path.join(folder, "transformer"), state)
         else:
             self.adapter.save_lora(folder, lora_state_dict(self.transformer, state, adapter_name="default"))
-
-
-def batch(seed: int, adapter) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    cfg = adapter.transformer.config
-    tokens = adapter.latent_h * adapter.latent_w // 4
-    sigmas = adapter.sigmas(4)
-    x = torch.randn(BATCH, tokens, cfg.in_channels, generator=g)
-    return {"x": x, "x_next": x + 0.1 * torch.randn(x.shape, generator=g),
-            "log_prob_old": -1.5 + 0.01 * torch.randn(BATCH, generator=g),
-            "adv": torch.tensor([1.0, -0.5, 0.8, -1.3]),
-            "prompt_embeds": torch.randn(BATCH, 32, cfg.joint_attention_dim, generator=g),
-            "pooled_prompt_embeds": torch.randn(BATCH, cfg.pooled_projection_dim, generator=g),
-            "sigma": sigmas[1], "sigma_next": sigmas[2]}
-
-
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:4]
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-
-
-def full_states(run: Run) -> dict:
-    """Everything a checkpoint holds, as whole tensors (collectives on a sharded run: call on all ranks)."""
-    return {"model": model_state_dict(run.transformer), "optimizer": optimizer_state_dict(run.transformer, run.optimizer),
-            "ema": run.ema.state_dict()["shadow"], "shadow": run.shadow.state_dict()["weights"]}
-
-
-def compare(single: Run, sharded: dict, plain: dict) -> dict:
-    """Largest differences between a sharded run's gathered states (rank 0) and the unsharded run's."""
-    names = [n for n, p in single.transformer.named_parameters() if p.requires_grad]
-    by_name = plain["optimizer"]["state"]
-    adam = {f"{n}.{k}": by_name[i][k] for i, n in enumerate(names) for k in ("exp_avg", "exp_avg_sq")}
-    adam_sharded = {f"{n}.{k}": sharded["optimizer"]["state"][n][k] for n in names for k in ("exp_avg", "exp_avg_sq")}
-    return {"weights": max_diff(sharded["model"], plain["model"]),
-            "optimizer": max_diff(adam_sharded, adam),
-            "ema": max_diff(dict(enumerate(sharded["ema"])), dict(enumerate(plain["ema"]))),
-            "shadow": max_diff(dict(enumerate(sharded["shadow"])), dict(enumerate(plain["shadow"])))}
 
 
 single, sharded = Run(sharded=False), Run(sharded=True)
@@ -190,28 +131,8 @@ folder = save_checkpoint(accelerator, ckpt_dir, 1, sharded.write_weights,
                          {"optimizer": optimizer_state_dict(sharded.transformer, sharded.optimizer),
                           "ema": sharded.ema.state_dict(), "old": sharded.shadow.state_dict()},
                          {"full_finetune": FULL}, model=sharded.transformer)
-if rank == 0:
-    probe = data[2]
-    with torch.no_grad():
-        if FULL:
-            from diffusers import FluxTransformer2DModel
-
-            loaded = FluxTransformer2DModel.from_pretrained(folder / "transformer")
-            result["reload"] = max_diff(loaded.state_dict(), single.transformer.state_dict())
-        else:
-            from diffusers import FluxPipeline
-
-            pipe = FluxPipeline.from_pretrained(PATH)
-            pipe.load_lora_weights(folder)
-            trained = single.adapter.transformer
-            want = single.adapter.velocity(probe["x"], probe["sigma"], probe, GUIDANCE)
-            single.adapter.transformer = pipe.transformer
-            got = single.adapter.velocity(probe["x"], probe["sigma"], probe, GUIDANCE)
-            single.adapter.transformer = trained
-            with adapters_disabled(trained):
-                base = single.adapter.velocity(probe["x"], probe["sigma"], probe, GUIDANCE)
-            result["reload"] = float((got - want).abs().max())
-            result["lora_effect"] = float((want - base).abs().max())  # the LoRA changes the output
+if rank == 0:  # the saved files read back by diffusers
+    result.update(reload_diffs(folder, single, PATH, FULL, data[2]))
 accelerator.wait_for_everyone()
 
 resumed = Run(sharded=True)
