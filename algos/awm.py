@@ -117,7 +117,7 @@ class Args:
     """(f_lo, f_hi) fractions along the denoising axis: train on σ ∈ [1 − f_hi, 1 − f_lo] (the noisiest 90%)"""
     time_shift: float = 3.0
     """shift s of the continuous strategies: σ = s·u/(1 + (s − 1)·u)"""
-    weighting: str = "uniform"
+    weighting: str = "ghuber"
     """log-prob = −w(ℓ, σ) of the matching loss ℓ: uniform ℓ, t σℓ, t2 σ²ℓ, huber σ(√ℓ − ·), ghuber (σ/p)(ℓ^p − ·)"""
     ghuber_power: float = 0.25
     """p of the ghuber weighting"""
@@ -272,7 +272,7 @@ if __name__ == "__main__":
     if true_cfg and args.guidance_scale is not None and args.guidance_scale > 1:
         raise UserError(f"AWM is CFG-free: --guidance-scale {args.guidance_scale} would turn on true CFG "
                         f"for {args.model}; leave it unset (1.0)")
-    guidance = args.guidance_scale if args.guidance_scale is not None else (1.0 if true_cfg else 3.5)
+    guidance = args.guidance_scale if args.guidance_scale is not None else (1.0 if true_cfg else ADAPTERS[args.model].default_guidance_scale)
     lr = args.learning_rate or (1e-5 if args.full_finetune else 3e-4)
     output_dir = args.output_dir or f"runs/{args.exp_name}-{args.seed}"
 

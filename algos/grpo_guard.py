@@ -21,7 +21,7 @@ from common.checkpoint import (LORA_FILE, latest_checkpoint, load_full_weights_i
 from common.data import DEFAULT_DATASET, epoch_draw, load_prompts, sample_seeds, shard
 from common.distributed import (configure_backend, load_optimizer_state_dict, lora_state_dict, micro_step,
                                 optimizer_state_dict, place_like, save_pretrained, staging_device, trainable)
-from common.dynamics import sde_step
+from common.dynamics import sde_kl, sde_step
 from common.models import ADAPTERS, load_adapter, resolve_model_path
 from common.sampling import rollout, sample_generators
 from common.tracking import MetricsLog, format_metrics, save_image_grid
@@ -380,8 +380,7 @@ if __name__ == "__main__":
                         policy_loss = torch.maximum(unclipped, clipped).mean()
                         loss = policy_loss
                         if args.kl_beta > 0:
-                            # KL to the reference as the reference code computes it: ‖μ_θ − μ_ref‖²/(2s²),
-                            # s = S/√(−dt), the same s for both policies (algorithms.md §4).
+                            # KL to the reference as Flow-GRPO's code computes it (sde_kl, algorithms.md §4).
                             with torch.no_grad():
                                 if reference is not None:
                                     adapter.transformer = reference
@@ -392,8 +391,7 @@ if __name__ == "__main__":
                                         v_ref = adapter.velocity(x, sigmas[j], cond, guidance)
                                 _, _, mean_ref, _ = sde_step(args.dynamics, v_ref, x, sigmas[j], sigmas[j + 1],
                                                              args.noise_level, prev_sample=x_next)
-                            s = std / torch.sqrt(sigmas[j] - sigmas[j + 1])
-                            kl = (((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * s.flatten() ** 2)).mean()
+                            kl = sde_kl(args.dynamics, mean, mean_ref, std, sigmas[j], sigmas[j + 1]).mean()
                             loss = loss + args.kl_beta * kl
                             stats["kl"].append(kl.detach())
                         accelerator.backward(loss / (batches_per_update * num_train_steps))

@@ -105,8 +105,9 @@ class Args:
     dance-sde or cps; only x0 is kept"""
     noise_level: float = 0.7
     """η of an SDE rollout (unused by ode)"""
-    time_sampling: str = "discrete"
-    """training σ's per sample: discrete, discrete_wo_init (rollout schedule steps), uniform, logit_normal"""
+    time_sampling: str = "discrete_random"
+    """training σ's per sample: discrete_random (T distinct rollout steps uniformly at random, the reference's),
+    discrete / discrete_wo_init (stratified over the rollout steps, AWM's), uniform, logit_normal"""
     train_timesteps: int | None = None
     """T: σ's trained per sample (default ⌊0.99·n⌋ of the n eligible rollout steps, as the reference)"""
     timestep_range: tuple[float, float] = (0.0, 1.0)
@@ -257,7 +258,7 @@ if __name__ == "__main__":
     if true_cfg and args.guidance_scale is not None and args.guidance_scale > 1:
         raise UserError(f"DiffusionNFT is CFG-free: --guidance-scale {args.guidance_scale} would turn on true CFG "
                         f"for {args.model}; leave it unset (1.0)")
-    guidance = args.guidance_scale if args.guidance_scale is not None else (1.0 if true_cfg else 3.5)
+    guidance = args.guidance_scale if args.guidance_scale is not None else (1.0 if true_cfg else ADAPTERS[args.model].default_guidance_scale)
     lr = args.learning_rate or (1e-5 if args.full_finetune else 3e-4)
     output_dir = args.output_dir or f"runs/{args.exp_name}-{args.seed}"
 

@@ -1,12 +1,21 @@
-"""Atomic checkpoints: OUTPUT_DIR/checkpoints/epoch_NNNNNN/ holding the weights in a format diffusers loads
-(LoRA: `pytorch_lora_weights.safetensors`; full fine-tuning: `transformer/` from `save_pretrained`), the
-training state (optimizer, EMA, ...; loaded with weights_only=True), each process's RNG state and
-`meta.json`. A checkpoint is written to a temporary folder and renamed into place, and `latest` names the
-newest complete one, so a run killed at any moment leaves the previous checkpoint intact."""
+"""Atomic checkpoints and a resume that never destroys a run.
+
+OUTPUT_DIR/checkpoints/epoch_NNNNNN/ holds the weights in a format diffusers loads (LoRA:
+`pytorch_lora_weights.safetensors`; full fine-tuning: `transformer/` from `save_pretrained`), the training state
+(optimizer, learning-rate schedule, EMA, frozen policies; loaded with weights_only=True), each process's RNG state
+and `meta.json` (the epoch, the flags that define the run, script state such as MixGRPO's window). A checkpoint is
+written to a temporary folder and renamed into place, and `latest` names the newest one, so a run killed at any
+moment leaves the previous checkpoint intact.
+
+Resume does not trust `latest`: it loads the newest checkpoint folder that loads completely (meta, weights,
+training state), says which newer ones it skipped and why, and refuses, rather than start from scratch, when the
+folder holds a run but no complete checkpoint.
+"""
 
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,6 +23,7 @@ from safetensors.torch import load_file
 
 from common.distributed import (full_state_loading, is_sharded, load_lora_state_dict, load_master_weights,
                                 lora_parameter_names, model_state_dict)
+from common.utils import RunStopped
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
@@ -36,22 +46,29 @@ def save_checkpoint(accelerator, output_dir: str | Path, epoch: int, write_weigh
     """write_weights(folder) writes the model weights (called on the main process only). `states` maps
     names to state dicts saved in training_state.pt. All processes must call this. With `model`, its full
     state dict is gathered on every process first (FSDP2 shards: a collective) and passed on as
-    write_weights(folder, state)."""
+    write_weights(folder, state). A failed write (a full disk) stops the run with one line and leaves the
+    previous checkpoints as they were."""
     root = Path(output_dir) / "checkpoints"
     final = root / f"epoch_{epoch:06d}"
     tmp = root / f".epoch_{epoch:06d}.tmp"
     state = model_state_dict(model) if model is not None else None
-    if accelerator.is_main_process:
+    try:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            if model is None:
+                write_weights(tmp)
+            else:
+                write_weights(tmp, state)
+            torch.save(states, tmp / "training_state.pt")
+            (tmp / "meta.json").write_text(json.dumps({"epoch": epoch, **meta}, indent=1))
+        accelerator.wait_for_everyone()
+        torch.save(_rng_state(), tmp / f"rng_{accelerator.process_index}.pt")
+    except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        if model is None:
-            write_weights(tmp)
-        else:
-            write_weights(tmp, state)
-        torch.save(states, tmp / "training_state.pt")
-        (tmp / "meta.json").write_text(json.dumps({"epoch": epoch, **meta}, indent=1))
-    accelerator.wait_for_everyone()
-    torch.save(_rng_state(), tmp / f"rng_{accelerator.process_index}.pt")
+        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise RunStopped(f"cannot write the checkpoint of epoch {epoch} under {root}: {reason}; the previous "
+                         f"checkpoints are intact") from None
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if final.exists():  # re-saving an epoch after a resume: swap, never leave a half state
@@ -68,48 +85,114 @@ def save_checkpoint(accelerator, output_dir: str | Path, epoch: int, write_weigh
     return final
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    pointer = Path(output_dir) / "checkpoints" / "latest"
-    if not pointer.exists():
-        return None
-    folder = pointer.parent / pointer.read_text().strip()
-    return folder if (folder / "meta.json").exists() else None
+def clean_stale_writes(output_dir: str | Path) -> list[str]:
+    """Remove the temporary folders a failed or killed checkpoint write left behind; returns their names."""
+    root = Path(output_dir) / "checkpoints"
+    stale = sorted([*root.glob(".epoch_*.tmp"), *root.glob(".epoch_*.old"), *root.glob("latest.tmp")])
+    for path in stale:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return [p.name for p in stale]
+
+
+class CheckpointError(Exception):
+    """A checkpoint folder that does not load completely."""
+
+
+@dataclass
+class Checkpoint:
+    folder: Path
+    meta: dict
+    weights: dict[str, torch.Tensor]  # the LoRA file's or the full transformer's tensors
+    states: dict                      # training_state.pt
+    rng: dict | None                  # this process's RNG state (None when it ran with fewer processes)
+
+
+def read_checkpoint(folder: Path, full_finetune: bool, process_index: int) -> Checkpoint:
+    """Everything a resume needs from `folder`, read into memory; CheckpointError says what is missing or broken."""
+    def read(what, load):
+        try:
+            return load()
+        except FileNotFoundError:
+            raise CheckpointError(f"{what} is missing") from None
+        except Exception as err:  # truncated or corrupt files raise many kinds of errors
+            raise CheckpointError(f"{what} does not load ({type(err).__name__})") from None
+
+    meta = read("meta.json", lambda: json.loads((folder / "meta.json").read_text()))
+    if not isinstance(meta, dict) or "epoch" not in meta:
+        raise CheckpointError("meta.json has no epoch")
+    if bool(meta.get("full_finetune", False)) != full_finetune:
+        raise CheckpointError(f"it holds {'full' if meta.get('full_finetune') else 'LoRA'} weights")
+    if full_finetune:
+        shards = sorted((folder / "transformer").glob("*.safetensors"))
+        if not shards:
+            raise CheckpointError("transformer/*.safetensors is missing")
+        weights = {}
+        for shard in shards:
+            weights.update(read(f"transformer/{shard.name}", lambda: load_file(shard)))
+    else:
+        weights = read(LORA_FILE, lambda: load_file(folder / LORA_FILE))
+    states = read("training_state.pt", lambda: torch.load(folder / "training_state.pt", map_location="cpu",
+                                                           weights_only=True))
+    rng_file = folder / f"rng_{process_index}.pt"
+    rng = read(rng_file.name, lambda: torch.load(rng_file, weights_only=True)) if rng_file.exists() else None
+    return Checkpoint(folder, meta, weights, states, rng)
+
+
+def newest_complete_checkpoint(output_dir: str | Path, full_finetune: bool,
+                               process_index: int) -> tuple[Checkpoint | None, list[str]]:
+    """The newest checkpoint folder that loads completely, and a note for each newer one that does not."""
+    skipped = []
+    for folder in sorted((Path(output_dir) / "checkpoints").glob("epoch_*"), reverse=True):
+        try:
+            return read_checkpoint(folder, full_finetune, process_index), skipped
+        except CheckpointError as err:
+            skipped.append(f"{folder.name} ({err})")
+    return None, skipped
+
+
+def restore_rng(rng: dict | None) -> None:
+    if rng is None:
+        return
+    torch.random.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
 
 
 def load_training_state(folder: Path, process_index: int) -> tuple[dict, dict]:
     """(states, meta) of a checkpoint; restores this process's RNG state."""
-    states = torch.load(folder / "training_state.pt", map_location="cpu", weights_only=True)
-    meta = json.loads((folder / "meta.json").read_text())
-    rng_file = folder / f"rng_{process_index}.pt"
-    if rng_file.exists():
-        rng = torch.load(rng_file, weights_only=True)
-        torch.random.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-    return states, meta
+    checkpoint = read_checkpoint(folder, (folder / "transformer").is_dir(), process_index)
+    restore_rng(checkpoint.rng)
+    return checkpoint.states, checkpoint.meta
 
 
-def load_lora_into(transformer, folder: Path) -> None:
-    """Load a saved diffusers-format LoRA file back into a peft-wrapped transformer (for resume)."""
+def load_lora_state_into(transformer, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
+    """Load LoRA weights in the diffusers file format into a peft-wrapped transformer (for resume)."""
     from peft import set_peft_model_state_dict
 
-    state = load_file(folder / LORA_FILE)
     state = {k.removeprefix("transformer."): v for k, v in state.items()}
     if is_sharded(transformer):  # FSDP2: whole tensors into the shards
         unexpected = load_lora_state_dict(transformer, state)
     else:
         unexpected = getattr(set_peft_model_state_dict(transformer, state), "unexpected_keys", None)
     if unexpected:
-        raise RuntimeError(f"LoRA checkpoint {folder} has keys the model lacks: {unexpected[:3]}")
+        raise RuntimeError(f"LoRA {source} has keys the model lacks: {unexpected[:3]}")
     names = lora_parameter_names(transformer, state)
     load_master_weights(transformer, {names[k]: v for k, v in state.items()})
 
 
-def load_full_weights_into(transformer, folder: Path) -> None:
-    """Load `save_pretrained` safetensors shards of a fully fine-tuned transformer (for resume)."""
-    state = {}
-    for shard in sorted((folder / "transformer").glob("*.safetensors")):
-        state.update(load_file(shard))
+def load_full_state_into(transformer, state: dict[str, torch.Tensor]) -> None:
+    """Load a fully fine-tuned transformer's state dict (for resume)."""
     with full_state_loading(transformer):
         transformer.load_state_dict(state, strict=True)
     load_master_weights(transformer, state)
+
+
+def load_lora_into(transformer, folder: Path) -> None:
+    load_lora_state_into(transformer, load_file(folder / LORA_FILE), str(folder))
+
+
+def load_full_weights_into(transformer, folder: Path) -> None:
+    state = {}
+    for shard in sorted((folder / "transformer").glob("*.safetensors")):
+        state.update(load_file(shard))
+    load_full_state_into(transformer, state)

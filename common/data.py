@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from common.utils import UserError
 
@@ -80,3 +81,11 @@ def shard(count: int, rank: int, world: int) -> slice:
         raise UserError(f"{count} samples per epoch do not split evenly over {world} processes")
     size = count // world
     return slice(rank * size, (rank + 1) * size)
+
+
+def epoch_samples(prompts: list[Prompt], prompts_per_epoch: int, group_size: int, seed: int, epoch: int,
+                  local: slice) -> tuple[list[Prompt], torch.Tensor]:
+    """This process's part of the epoch's draw: its prompt records and each sample's noise seed (int64)."""
+    draw = epoch_draw(len(prompts), prompts_per_epoch, group_size, seed, epoch)
+    seeds = sample_seeds(seed, epoch, prompts_per_epoch * group_size)
+    return [prompts[i] for i in draw[local]], torch.tensor(seeds[local], dtype=torch.int64)

@@ -87,3 +87,17 @@ def sde_step(
         elementwise = -((x_next - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
         log_prob = _mean_over_elements(elementwise.expand_as(x_next))
     return prev_sample, log_prob, mean, std
+
+
+def sde_kl(dynamics: str, mean: torch.Tensor, mean_ref: torch.Tensor, std, sigma, sigma_next) -> torch.Tensor:
+    """Flow-GRPO's KL between the trained and the reference step, per sample (batch,):
+    mean_elements((μ − μ_ref)²) / (2s²), where s is the std the references' step function returns: S/√(−dt) for
+    flow-sde and dance-sde, but S itself for cps, whose S = σ'·sin(ηπ/2) carries no √(−dt). (The exact Gaussian
+    KL would divide by 2S²; the papers' β values are calibrated to this form.) `std` is sde_step's S."""
+    if dynamics not in ("flow-sde", "dance-sde", "cps"):
+        raise ValueError(f"sde_kl needs a stochastic dynamics (flow-sde, dance-sde, cps), got {dynamics!r}")
+    mean, mean_ref = mean.float(), mean_ref.float()
+    s = _per_sample(std, mean)  # a float, (batch,) or sde_step's broadcastable (batch, 1, ...)
+    if dynamics != "cps":
+        s = s / torch.sqrt(_per_sample(sigma, mean) - _per_sample(sigma_next, mean))
+    return _mean_over_elements((mean - mean_ref) ** 2) / (2 * s.flatten() ** 2)

@@ -187,15 +187,17 @@ class FluxAdapter(_Adapter):
 
     # ----- the one forward ----------------------------------------------------------------------------
     def velocity(self, latents: torch.Tensor, sigma, cond: dict[str, torch.Tensor],
-                 guidance_scale: float = 3.5) -> torch.Tensor:
-        """v_θ(x_σ, σ, c) in float32. `sigma` is a float or a (batch,) tensor."""
+                 guidance_scale: float = 3.5, transformer=None) -> torch.Tensor:
+        """v_θ(x_σ, σ, c) in float32. `sigma` is a float or a (batch,) tensor. `transformer`: another policy's
+        module (a frozen copy) instead of the adapter's own; the same call for every policy, so they cannot drift."""
         batch = latents.shape[0]
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(batch)
         guidance = torch.full((batch,), guidance_scale, device=latents.device) if self.config.guidance_embeds else None
         prompt_embeds = cond["prompt_embeds"]
         text_ids = torch.zeros(prompt_embeds.shape[1], 3, device=latents.device, dtype=self.dtype)
+        model = self.transformer if transformer is None else transformer
         with self._autocast():
-            out = self.transformer(
+            out = model(
                 hidden_states=latents.to(self.dtype),
                 timestep=sigma.to(self.dtype),  # FLUX takes σ (the pipeline passes timestep / 1000)
                 guidance=guidance,
@@ -278,7 +280,7 @@ class SD3Adapter(_Adapter):
         return self.scheduler.sigmas.float().to(self.device)
 
     def velocity(self, latents: torch.Tensor, sigma, cond: dict[str, torch.Tensor],
-                 guidance_scale: float = 4.5) -> torch.Tensor:
+                 guidance_scale: float = 4.5, transformer=None) -> torch.Tensor:
         """v_θ(x_σ, σ, c) in float32; with guidance_scale > 1 the negative and positive conditioning run as one
         batch of 2B and combine as v_neg + w·(v_pos − v_neg), as the pipeline does."""
         batch = latents.shape[0]
@@ -290,8 +292,9 @@ class SD3Adapter(_Adapter):
             embeds = torch.cat([cond["negative_prompt_embeds"], embeds])
             pooled = torch.cat([cond["negative_pooled_prompt_embeds"], pooled])
             x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
+        model = self.transformer if transformer is None else transformer
         with self._autocast():
-            out = self.transformer(hidden_states=x.to(self.dtype), timestep=timestep,
+            out = model(hidden_states=x.to(self.dtype), timestep=timestep,
                                    encoder_hidden_states=embeds.to(self.dtype),
                                    pooled_projections=pooled.to(self.dtype), return_dict=False)[0].float()
         if cfg:
@@ -376,7 +379,7 @@ class QwenImageAdapter(_Adapter):
         return self.scheduler.sigmas.float().to(self.device)
 
     def velocity(self, latents: torch.Tensor, sigma, cond: dict[str, torch.Tensor],
-                 guidance_scale: float = 4.0) -> torch.Tensor:
+                 guidance_scale: float = 4.0, transformer=None) -> torch.Tensor:
         """v_θ(x_σ, σ, c) in float32. With guidance_scale > 1: negative and positive in one batch of 2B,
         v = v_neg + w·(v_pos − v_neg), rescaled per token to the norm of v_pos (QwenImagePipeline's true CFG)."""
         batch = latents.shape[0]
@@ -393,8 +396,9 @@ class QwenImageAdapter(_Adapter):
         # The pipeline feeds (1000·σ in the latents' dtype) / 1000: the same rounding here.
         timestep = (sigma * self.scheduler.config.num_train_timesteps).to(self.dtype) / self.scheduler.config.num_train_timesteps
         img_shapes = [[(1, self.latent_h // 2, self.latent_w // 2)]] * x.shape[0]
+        model = self.transformer if transformer is None else transformer
         with self._autocast():
-            out = self.transformer(hidden_states=x.to(self.dtype), timestep=timestep, guidance=None,
+            out = model(hidden_states=x.to(self.dtype), timestep=timestep, guidance=None,
                                    encoder_hidden_states_mask=mask, encoder_hidden_states=embeds.to(self.dtype),
                                    img_shapes=img_shapes, return_dict=False)[0].float()
         if cfg:
@@ -483,7 +487,7 @@ class WanAdapter(_Adapter):
         return (sigma.double() * steps).floor().clamp(max=steps - 1).long()
 
     def velocity(self, latents: torch.Tensor, sigma, cond: dict[str, torch.Tensor],
-                 guidance_scale: float = 4.5) -> torch.Tensor:
+                 guidance_scale: float = 4.5, transformer=None) -> torch.Tensor:
         """v_θ(x_σ, σ, c) in float32; with guidance_scale > 1 negative and positive conditioning run as one
         batch of 2B and combine as v_neg + w·(v_pos − v_neg), as the pipeline does."""
         batch = latents.shape[0]
@@ -493,8 +497,9 @@ class WanAdapter(_Adapter):
         if cfg:
             embeds = torch.cat([cond["negative_prompt_embeds"], embeds])
             x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
+        model = self.transformer if transformer is None else transformer
         with self._autocast():
-            out = self.transformer(hidden_states=x.to(self.dtype), timestep=timestep,
+            out = model(hidden_states=x.to(self.dtype), timestep=timestep,
                                    encoder_hidden_states=embeds.to(self.dtype), return_dict=False)[0].float()
         if cfg:
             uncond, text = out.chunk(2)

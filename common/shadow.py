@@ -1,10 +1,13 @@
-"""A frozen second copy of the trained policy that trails it by blending: DiffusionNFT's θ_old and AWM's EMA
-sampler (algorithms.md §5).
+"""The frozen policies a script evaluates beside the trained one, each with a `velocity(x, sigma, cond, guidance)`
+like the adapter's: `ReferencePolicy` (the model before training: LoRA adapters disabled, or a frozen copy when
+fully fine-tuning) and `ShadowPolicy`, a second copy that trails the trained policy by blending (DiffusionNFT's
+θ_old, AWM's EMA sampler; algorithms.md §5).
 
-With LoRA it is a second peft adapter on the SAME transformer (no model copy): `active()` switches the
-module to it, and back to the trained adapter ("default") on exit. With full fine-tuning it is a frozen
-deepcopy of the transformer. The adapter is switched on the unwrapped module; a DDP wrapper only forwards
-to it, and every forward through the shadow runs under no_grad, so DDP never sees the switch.
+A LoRA shadow is a second peft adapter on the SAME transformer (no model copy): its `velocity` switches the
+module to it, and back to the trained adapter ("default") before returning. With full fine-tuning it is a frozen
+deepcopy of the transformer, passed to `adapter.velocity(..., transformer=...)`. The adapter is switched on the
+unwrapped module; a DDP wrapper only forwards to it, and every forward of a frozen policy runs under no_grad, so
+DDP never sees the switch.
 Under FSDP2 the parameters are looked up by name at each use (`prepare` replaces them by DTensor shards) and a
 full copy is sharded like the trained model, so blending works shard by shard; a copy made while the model waited
 on the CPU (common.distributed.staging_device) follows it to the GPU.
@@ -12,18 +15,34 @@ on the CPU (common.distributed.staging_device) follows it to the GPU.
 
 import copy
 import warnings
-from contextlib import contextmanager
 
 import torch
 
 from common.distributed import copy_full_, full_tensor, named_parameters, place_like, reshard
+from common.training import adapters_disabled
+
+
+class ReferencePolicy:
+    """The policy before training: the same module with its LoRA adapters switched off (no copy), or `copy`, a
+    frozen copy of the transformer made before full fine-tuning changed it (placed like the trained model after
+    `prepare`: common.distributed.place_like)."""
+
+    def __init__(self, adapter, transformer, copy: torch.nn.Module | None = None):
+        self.adapter, self.transformer, self.copy = adapter, transformer, copy
+
+    @torch.no_grad()
+    def velocity(self, x, sigma, cond, guidance_scale):
+        if self.copy is not None:
+            return self.adapter.velocity(x, sigma, cond, guidance_scale, transformer=self.copy)
+        with adapters_disabled(self.transformer):
+            return self.adapter.velocity(x, sigma, cond, guidance_scale)
 
 
 class ShadowPolicy:
-    def __init__(self, transformer, name: str, full_finetune: bool):
+    def __init__(self, adapter, transformer, name: str, full_finetune: bool):
         """`transformer`: the unwrapped module holding the trained weights (LoRA adapter "default" already added).
         The shadow starts equal to the trained weights."""
-        self.transformer, self.name, self.full_finetune = transformer, name, full_finetune
+        self.adapter, self.transformer, self.name, self.full_finetune = adapter, transformer, name, full_finetune
         if full_finetune:
             self.module = copy.deepcopy(transformer).requires_grad_(False)
             self.keys = [k for k, p in transformer.named_parameters() if p.requires_grad]
@@ -61,21 +80,15 @@ class ShadowPolicy:
         self.module = place_like(self.module, self.transformer)
         return self.module
 
-    @contextmanager
-    def active(self, adapter):
-        """Run `adapter.velocity` with the shadow weights inside the block (call it under no_grad)."""
+    @torch.no_grad()
+    def velocity(self, x, sigma, cond, guidance_scale):
         if self.full_finetune:
-            trained, adapter.transformer = adapter.transformer, self._full_copy()
-            try:
-                yield
-            finally:
-                adapter.transformer = trained
-        else:
-            self.transformer.set_adapter(self.name)
-            try:
-                yield
-            finally:
-                self.transformer.set_adapter("default")
+            return self.adapter.velocity(x, sigma, cond, guidance_scale, transformer=self._full_copy())
+        self.transformer.set_adapter(self.name)
+        try:
+            return self.adapter.velocity(x, sigma, cond, guidance_scale)
+        finally:
+            self.transformer.set_adapter("default")
 
     @torch.no_grad()
     def blend(self, decay: float) -> None:

@@ -3,7 +3,8 @@ sample x0 is re-noised at, and with which noise ε (algorithms.md §5 "Time samp
 
 Every sample draws its own T σ's and its own ε's from its own generator (seeded from the run seed, the epoch
 and the sample's position), so a run with 1 or N processes and a resumed run train on the same points.
-`timestep_range` = (f_lo, f_hi) are fractions along the denoising axis: σ ∈ [1 − f_hi, 1 − f_lo].
+`timestep_range` = (f_lo, f_hi) are fractions along the denoising axis: the discrete kinds take rollout step
+indices [⌊f_lo·N⌋, ⌊f_hi·N⌋), the continuous ones σ = shift(u) with u ∈ [1 − f_hi, 1 − f_lo].
 """
 
 import math
@@ -13,28 +14,31 @@ import torch
 
 from common.utils import UserError
 
-TIME_SAMPLINGS = ("discrete", "discrete_wo_init", "uniform", "logit_normal")
+TIME_SAMPLINGS = ("discrete_random", "discrete", "discrete_wo_init", "uniform", "logit_normal")
 
 
 def check_timestep_range(timestep_range) -> tuple[float, float]:
     lo, hi = (float(f) for f in timestep_range)
     if not 0.0 <= lo < hi <= 1.0:
         raise UserError(f"--timestep-range {lo} {hi} must satisfy 0 <= lo < hi <= 1 (fractions along the "
-                        f"denoising axis; 0 0.9 keeps σ in [0.1, 1])")
+                        f"denoising axis; 0 0.9 keeps the noisiest 90% of the steps)")
     return lo, hi
 
 
 def eligible_steps(sigmas: torch.Tensor, timestep_range, strategy: str) -> list[int]:
-    """Indices j of the rollout schedule σ_0 = 1 > … > σ_{N−1} (σ_N = 0 excluded) whose σ lies in the range;
-    `discrete_wo_init` also drops j = 0 (σ = 1, where x_σ is pure noise)."""
+    """Step indices j in [⌊f_lo·N⌋, ⌊f_hi·N⌋) of the N-step rollout schedule σ_0 = 1 > … > σ_{N−1}, chosen by
+    INDEX as AWM does ([0, int(0.9·N)) for the noisiest 90%), not by σ value: with a shifted schedule a σ
+    threshold admits different steps (SD3.5 at N = 14: σ ≥ 0.1 would admit step 12, σ 0.21, which AWM never
+    trains). `discrete_wo_init` also drops j = 0 (σ = 1, where x_σ is pure noise)."""
     lo, hi = check_timestep_range(timestep_range)
-    values = sigmas[:-1].double().cpu().tolist()
-    steps = [j for j, s in enumerate(values) if 1.0 - hi - 1e-6 <= s <= 1.0 - lo + 1e-6]
+    num_steps = len(sigmas) - 1
+    steps = list(range(int(lo * num_steps), int(hi * num_steps)))
     return [j for j in steps if j > 0] if strategy == "discrete_wo_init" else steps
 
 
 def default_num_train(strategy: str, sigmas: torch.Tensor, timestep_range) -> int:
-    """⌊0.99·n⌋ distinct steps, n = the eligible rollout steps (DiffusionNFT's `timestep_fraction` 0.99);
+    """⌊0.99·n⌋ distinct steps, n = the eligible rollout steps (DiffusionNFT's `timestep_fraction` 0.99: at
+    N = 10 one step is dropped);
     for the continuous strategies n = the number of rollout steps."""
     n = len(eligible_steps(sigmas, timestep_range, strategy)) if strategy.startswith("discrete") else len(sigmas) - 1
     return max(1, math.floor(0.99 * n))
@@ -72,10 +76,13 @@ def training_generators(seeds) -> list[torch.Generator]:
 
 def sample_train_sigmas(strategy: str, num_train: int, generators: list[torch.Generator], sigmas: torch.Tensor,
                         timestep_range=(0.0, 1.0), shift: float = 3.0) -> torch.Tensor:
-    """(batch, num_train) float32 σ's, one independent stratified draw per sample, in a random order.
+    """(batch, num_train) float32 σ's, one independent draw per sample, in a random order.
 
+    discrete_random: num_train distinct eligible rollout steps drawn uniformly without replacement
+        (DiffusionNFT's default: at N = 10, T = 9 it drops one step, any of the ten, uniformly).
     discrete / discrete_wo_init: the eligible rollout steps are cut into num_train contiguous strata and one step
-        is drawn in each, so the σ's are distinct schedule values (no extra shift: the schedule is shifted).
+        is drawn in each, so the σ's are distinct schedule values (AWM; no extra shift: the schedule is shifted).
+        A stratified pick of T = n − 1 always keeps the first steps and drops one of the last two.
     uniform: u = lo + (hi − lo)·(i + U_i)/T on [1 − f_hi, 1 − f_lo], then σ = shift(u).
     logit_normal: z_i = Φ⁻¹((i + U_i)/T) (stratified N(0, 1)), u = sigmoid(z) mapped affinely into
         [1 − f_hi, 1 − f_lo] (the identity for the full range), then σ = shift(u).
@@ -91,7 +98,9 @@ def sample_train_sigmas(strategy: str, num_train: int, generators: list[torch.Ge
         strata = (torch.arange(num_train, dtype=torch.float64) + torch.rand(num_train, generator=g,
                                                                             dtype=torch.float64)) / num_train
         order = torch.randperm(num_train, generator=g)
-        if strategy.startswith("discrete"):
+        if strategy == "discrete_random":
+            row = schedule[steps[torch.randperm(len(steps), generator=g)[:num_train]]]
+        elif strategy.startswith("discrete"):
             # strata is in [i/T, (i+1)/T): its fractional position inside stratum i picks the step.
             pick = lower + ((strata * num_train - torch.arange(num_train)) * width).long().clamp_max(width - 1)
             row = schedule[steps[pick]]

@@ -1,6 +1,9 @@
-"""Trainable parameters: LoRA through peft, the frozen reference, and an EMA of the trained weights."""
+"""Trainable parameters (LoRA through peft), the disabled-adapter reference, an EMA of the trained weights, the
+micro-batches of an optimizer step and the learning-rate schedule."""
 
+import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -75,3 +78,64 @@ class EMA:
         reshard(self.module)
         for s, saved in zip(self.shadow, state["shadow"]):
             copy_full_(s, saved)
+
+
+@dataclass
+class MicroBatch:
+    """One backward pass of an optimizer step: which of this process's samples it holds and how each counts."""
+
+    index: torch.Tensor   # positions in this process's part of the epoch (long)
+    weight: torch.Tensor  # per-sample loss weight: processes / samples of this optimizer step (all processes); 0: pad
+    last: bool            # the last micro-batch of its optimizer step (the accumulation boundary)
+
+    @property
+    def real(self) -> torch.Tensor:
+        return self.weight > 0
+
+
+def plan_micro_batches(keep: torch.Tensor, world: int, rank: int, batch_size: int,
+                       updates: int) -> list[list[MicroBatch]]:
+    """Micro-batches of each optimizer step of an epoch, for process `rank`.
+
+    keep: (N,) bool over the epoch's samples in draw order (every process passes the same), process p owning the
+    contiguous part p of N/world. Samples not kept (zero advantage: no policy gradient) are left out. Every process
+    gets the SAME number of micro-batches (DDP, FSDP and DeepSpeed need equal backward counts): enough for the
+    process with the most kept samples at ≤ batch_size each, a multiple of `updates`; the others' are smaller, and
+    an empty one holds one padding sample of weight 0. With every sample kept the micro-batches are the rollout's
+    (`rollout_micro_batches`), so the first ratio of an epoch is exactly 1. A loss written as Σ_i weight_i·ℓ_i per
+    micro-batch and averaged over processes by DDP is the mean of ℓ over the step's kept samples."""
+    keep = keep.bool().cpu()
+    local = len(keep) // world
+    kept = [torch.nonzero(keep[p * local:(p + 1) * local]).flatten() for p in range(world)]
+    count = max(1, max(math.ceil(len(k) / batch_size) for k in kept))
+    count = math.ceil(count / updates) * updates
+    chunks = [list(torch.tensor_split(k, count)) for k in kept]
+    per_update = count // updates
+    plan = []
+    for u in range(updates):
+        steps = range(u * per_update, (u + 1) * per_update)
+        total = sum(len(chunks[p][b]) for p in range(world) for b in steps)
+        update = []
+        for b in steps:
+            index = chunks[rank][b]
+            weight = torch.full((len(index),), world / max(total, 1), dtype=torch.float32)
+            if len(index) == 0:
+                index, weight = torch.zeros(1, dtype=torch.long), torch.zeros(1)
+            update.append(MicroBatch(index, weight, last=b == steps[-1]))
+        plan.append(update)
+    return plan
+
+
+def rollout_micro_batches(local_count: int, batch_size: int, updates: int) -> list[torch.Tensor]:
+    """The rollout's micro-batches of this process's samples: those of `plan_micro_batches` with every sample kept."""
+    plan = plan_micro_batches(torch.ones(local_count, dtype=torch.bool), 1, 0, batch_size, updates)
+    return [mb.index for update in plan for mb in update]
+
+
+def lr_scheduler(optimizer, schedule: str, warmup_steps: int, total_steps: int):
+    """diffusers' learning-rate schedules, stepped once per optimizer step: constant, or linear warm-up then
+    constant / cosine / linear decay to 0 at `total_steps`."""
+    from diffusers.optimization import get_scheduler
+
+    name = "constant_with_warmup" if schedule == "constant" and warmup_steps > 0 else schedule
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)

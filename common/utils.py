@@ -1,22 +1,37 @@
-"""Small helpers every script needs: one-line errors for bad input, dtype choice, seeding."""
+"""Small helpers every script needs: one-line errors, dtype choice, quiet libraries."""
 
+import os
 import sys
 
 import torch
 
 
 class UserError(Exception):
-    """Bad input from the user (flags, data files): reported as one line, exit status 2."""
+    """Bad input from the user (flags, data files, an unusable output folder): one line, exit status 2."""
+
+    exit_code = 2
+
+
+class RunStopped(UserError):
+    """A run that cannot go on (a non-finite loss, a full disk): one line, exit status 3."""
+
+    exit_code = 3
 
 
 def install_user_error_hook() -> None:
-    """Print UserError as `error: ...` on one line instead of a traceback, and exit with status 2."""
+    """Print a UserError as one `error: ...` line instead of a traceback, and exit with its status.
+
+    The line goes to the process's real stderr, from process 0 only: under `accelerate launch` / torchrun,
+    torch.distributed wraps sys.excepthook and captures what the hook writes to sys.stderr into a buffer that it
+    prints only if the hook returns, which sys.exit never does; that is how these lines used to vanish."""
     previous = sys.excepthook
 
     def hook(kind, value, traceback):
         if issubclass(kind, UserError):
-            print(f"error: {value}", file=sys.stderr, flush=True)
-            sys.exit(2)
+            if os.environ.get("RANK", "0") == "0":
+                sys.__stderr__.write(f"error: {value}\n")
+                sys.__stderr__.flush()
+            sys.exit(value.exit_code)
         previous(kind, value, traceback)
 
     sys.excepthook = hook

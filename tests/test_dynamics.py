@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.dynamics import sde_step
+from common.dynamics import sde_kl, sde_step
 
 SHAPE = (3, 4, 5)  # batch 3, 20 elements per sample
 
@@ -121,3 +121,43 @@ def test_bad_arguments():
         sde_step("sde", v, x, 0.5, 0.4, 0.3)
     with pytest.raises(ValueError, match=r"cps needs noise_level in \[0, 1\]"):
         sde_step("cps", v, x, 0.5, 0.4, 1.5)
+
+
+def reference_kl(dynamics, mean, mean_ref, std, sigma, sigma_next):
+    """float64 numpy, the references' KL: mean((μ − μ_ref)²)/(2s²) with s the std their step returns —
+    S/√(−dt) for flow-sde and dance-sde (S = s·√(−dt) there), S itself for cps (σ'·sin(ηπ/2), no √(−dt))."""
+    s = std if dynamics == "cps" else std / math.sqrt(sigma - sigma_next)
+    return np.mean((mean - mean_ref) ** 2) / (2 * s**2)
+
+
+@pytest.mark.parametrize("dynamics,eta", [("flow-sde", 0.9), ("dance-sde", 0.3), ("cps", 0.7)])
+@pytest.mark.parametrize("sigma,sigma_next", [(0.8, 0.6), (1.0, 0.9), (0.3, 0.25)])
+def test_sde_kl_matches_float64(dynamics, eta, sigma, sigma_next):
+    v, x = toy(seed=21)
+    v_ref = v + 0.05 * torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
+    prev, _, mean, std = sde_step(dynamics, v, x, sigma, sigma_next, eta, generator=torch.Generator().manual_seed(1))
+    _, _, mean_ref, _ = sde_step(dynamics, v_ref, x, sigma, sigma_next, eta, prev_sample=prev)
+    kl = sde_kl(dynamics, mean, mean_ref, std, sigma, sigma_next)
+    assert kl.shape == (SHAPE[0],) and kl.dtype == torch.float32
+    for b in range(SHAPE[0]):
+        ref_mean, ref_std = reference_step(dynamics, v[b].double().numpy(), x[b].double().numpy(), sigma,
+                                           sigma_next, eta, sigma_1=sigma_next)
+        ref_mean_ref, _ = reference_step(dynamics, v_ref[b].double().numpy(), x[b].double().numpy(), sigma,
+                                         sigma_next, eta, sigma_1=sigma_next)
+        expected = reference_kl(dynamics, ref_mean, ref_mean_ref, ref_std, sigma, sigma_next)
+        np.testing.assert_allclose(float(kl[b]), expected, rtol=1e-4)
+    # per-sample σ tensors give the same numbers as scalars
+    batch = torch.full((SHAPE[0],), sigma), torch.full((SHAPE[0],), sigma_next)
+    torch.testing.assert_close(sde_kl(dynamics, mean, mean_ref, std, *batch), kl)
+
+
+def test_sde_kl_for_cps_is_not_divided_by_the_step_length():
+    """The old scripts used s = S/√(σ − σ') for cps too, i.e. a KL (σ − σ') times too small."""
+    v, x = toy(seed=22)
+    prev, _, mean, std = sde_step("cps", v, x, 0.5, 0.4, 0.7, generator=torch.Generator().manual_seed(1))
+    _, _, mean_ref, _ = sde_step("cps", v + 0.1, x, 0.5, 0.4, 0.7, prev_sample=prev)
+    kl = sde_kl("cps", mean, mean_ref, std, 0.5, 0.4)
+    wrong = ((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * (std.flatten() / math.sqrt(0.1)) ** 2)
+    torch.testing.assert_close(kl * 0.1, wrong)
+    with pytest.raises(ValueError, match="stochastic dynamics"):
+        sde_kl("ode", mean, mean_ref, std, 0.5, 0.4)

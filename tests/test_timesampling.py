@@ -20,13 +20,41 @@ def generators(count, seed=0):
     return training_generators(range(seed, seed + count))
 
 
-def test_eligible_steps_follow_the_fraction_range():
-    sched = SCHEDULE.double().numpy()
+def test_eligible_steps_are_chosen_by_index_as_awm():
     for lo, hi in [(0.0, 1.0), (0.0, 0.9), (0.2, 0.7)]:
-        expected = [j for j in range(N) if 1 - hi - 1e-6 <= sched[j] <= 1 - lo + 1e-6]
+        expected = list(range(int(lo * N), int(hi * N)))  # AWM: [0, int(0.9·N))
         assert eligible_steps(SCHEDULE, (lo, hi), "discrete") == expected
+        assert eligible_steps(SCHEDULE, (lo, hi), "discrete_random") == expected
         assert eligible_steps(SCHEDULE, (lo, hi), "discrete_wo_init") == [j for j in expected if j != 0]
-    assert eligible_steps(SCHEDULE, (0.0, 0.9), "discrete")[0] == 0  # σ = 1 is inside the noisiest 90%
+    assert eligible_steps(SCHEDULE, (0.0, 0.9), "discrete") == list(range(9))
+
+
+def test_sd3_schedule_at_14_steps_never_admits_step_12():
+    """SD3.5 at N = 14 (the scheduler's own schedule, shift 3): step 12 has σ ≈ 0.21 ≥ 0.1, so choosing by σ
+    admitted it; AWM trains indices [0, int(0.9·14)) = [0, 12) only."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(14)
+    sigmas = scheduler.sigmas.float()
+    assert 0.2 < float(sigmas[12]) < 0.22
+    assert eligible_steps(sigmas, (0.0, 0.9), "discrete") == list(range(12))
+
+
+def test_discrete_random_is_a_uniform_subset_without_replacement():
+    """DiffusionNFT's default: ⌊0.99·N⌋ distinct steps uniformly at random; at N = 10 each step is the dropped one
+    about 1/10 of the time (a stratified pick would always keep steps 0–7)."""
+    T, count = N - 1, 4000
+    rows = sample_train_sigmas("discrete_random", T, generators(count), SCHEDULE).tolist()
+    index_of = {float(SCHEDULE[j]): j for j in range(N)}
+    dropped = np.zeros(N)
+    for row in rows:
+        steps = {index_of[s] for s in row}
+        assert len(steps) == T
+        dropped[list(set(range(N)) - steps)[0]] += 1
+    np.testing.assert_allclose(dropped / count, 0.1, atol=0.02)
+    stratified = sample_train_sigmas("discrete", T, generators(200), SCHEDULE)
+    assert all(float(SCHEDULE[j]) in row for row in stratified.tolist() for j in range(8))
 
 
 @pytest.mark.parametrize("strategy", ["discrete", "discrete_wo_init"])
@@ -97,7 +125,7 @@ def test_logit_normal_is_a_stratified_normal_through_a_sigmoid():
     assert ranged.min() >= 0.4 - 1e-6 and ranged.max() <= 0.7 + 1e-6
 
 
-@pytest.mark.parametrize("strategy", ["discrete", "uniform", "logit_normal"])
+@pytest.mark.parametrize("strategy", ["discrete_random", "discrete", "uniform", "logit_normal"])
 def test_each_sample_draws_from_its_own_generator(strategy):
     seeds = training_seeds(7, 3, 6)
     assert seeds == training_seeds(7, 3, 6) and seeds != training_seeds(7, 4, 6)
@@ -118,7 +146,7 @@ def test_noise_is_standard_normal():
 
 
 @pytest.mark.parametrize("args,message", [
-    (("beta", 2, (0.0, 1.0)), "unknown --time-sampling 'beta'; choose one of: discrete, discrete_wo_init, uniform"),
+    (("beta", 2, (0.0, 1.0)), "unknown --time-sampling 'beta'; choose one of: discrete_random, discrete, discrete_wo_init, uniform"),
     (("discrete", 11, (0.0, 1.0)), "--train-timesteps 11 exceeds the 10 rollout steps that discrete may pick"),
     (("discrete_wo_init", 10, (0.0, 1.0)), "exceeds the 9 rollout steps that discrete_wo_init may pick"),
     (("uniform", 0, (0.0, 1.0)), "--train-timesteps must be at least 1"),

@@ -1,0 +1,193 @@
+"""The flags every script shares (`TrainArgs`, which each script's `Args` extends with its algorithm's flags),
+presets, and the checks that turn bad values into one-line errors before anything is loaded or written."""
+
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Annotated, Literal
+
+import tyro
+
+from common.data import DEFAULT_DATASET
+from common.utils import UserError, avoid_cudnn_attention, install_user_error_hook, quiet_libraries
+
+NON_FINITE_NOTE = ("A non-finite reward, loss or gradient norm stops the run with one line naming the epoch and the "
+                   "quantity, before the optimizer step and before anything of that epoch is written; a checkpoint is "
+                   "never written with non-finite weights.")
+
+
+@dataclass
+class TrainArgs:
+    # Run
+    exp_name: str = ""
+    """the name of this experiment (empty: the script's file name)"""
+    preset: str = "none"
+    """a named set of defaults (listed above); flags given on the command line override it"""
+    seed: int = 1
+    """seed of the experiment (prompt draws, rollout and training noise, LoRA init)"""
+    track: Literal["wandb", "tensorboard"] | None = None
+    """also log to Weights & Biases or TensorBoard (files under --output-dir); metrics.jsonl is always written"""
+    wandb_project: str = "flow-rl"
+    """the wandb project name"""
+    output_dir: str | None = None
+    """where metrics.jsonl, eval grids, tracker files and checkpoints go (unset: runs/{exp_name}-{seed})"""
+    resume: bool = False
+    """continue from the newest complete checkpoint in --output-dir"""
+
+    # Model
+    model: Literal["flux1", "sd3", "qwen-image", "wan"] = "flux1"
+    """model family"""
+    model_path: str | None = None
+    """hub id or local folder of the pipeline; `tiny` builds an offline tiny model, `toy` is the toy world's
+    pretrained FLUX.1 (unset: the model's published checkpoint)"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """weights dtype: auto is bf16 on GPU and float32 on CPU; step and loss math is float32 whatever it is"""
+    resolution: int = 512
+    """image height and width"""
+    max_sequence_length: int = 512
+    """prompt length in text-encoder tokens (longer prompts are truncated, with a warning)"""
+    num_frames: int | None = None
+    """frames of a video model (wan: 4k + 1; unset: 33); image models take none"""
+    guidance_scale: float | None = None
+    """FLUX.1's guidance embedding or the true-CFG scale of the others (unset: the model's reference value)"""
+    cache_dir: str | None = None
+    """embedding cache root built by preprocess.py (unset: $FLOWRL_CACHE/embeddings)"""
+    cache: bool = True
+    """use a matching embedding cache when there is one (--no-cache: encode prompts with the text encoders)"""
+
+    # Data and reward
+    dataset: str = DEFAULT_DATASET
+    """folder with train/test .jsonl (field `prompt`) or .txt files"""
+    reward: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
+    """a reward as NAME[:WEIGHT][,KEY=VALUE...] or MODULE:ATTR[:WEIGHT]; repeat the flag for several
+    (none given: jpeg_compressibility)"""
+    advantage_aggregation: Literal["sum", "gdpo"] = "sum"
+    """how several rewards combine into one advantage"""
+    global_std: bool = True
+    """normalise advantages by the std over the whole epoch instead of the group's own (the references' default)"""
+    adv_clip_max: float = 5.0
+    """advantages are clamped to ±this"""
+
+    # Training
+    epochs: int = 300
+    """number of epochs (one epoch = rollout of M·K samples + updates_per_epoch optimizer steps)"""
+    prompts_per_epoch: int = 48
+    """M: prompts drawn per epoch"""
+    group_size: int = 16
+    """K: samples per prompt (one group)"""
+    batch_size: int = 8
+    """largest per-process micro-batch, for rollout and training"""
+    updates_per_epoch: int = 1
+    """optimizer steps per epoch; gradients accumulate over the micro-batches and trained steps in between"""
+    num_steps: int = 10
+    """sampling steps of a rollout"""
+    learning_rate: float | None = None
+    """AdamW learning rate (unset: 3e-4 for LoRA, 1e-5 for full fine-tuning)"""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """learning-rate schedule over the run's optimizer steps, after the warm-up"""
+    lr_warmup_steps: int = 0
+    """optimizer steps of linear warm-up from 0"""
+    weight_decay: float = 1e-4
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    lora_rank: int = 64
+    """LoRA rank"""
+    lora_alpha: float = 128
+    """LoRA alpha"""
+    full_finetune: bool = False
+    """train all transformer weights instead of a LoRA (frozen policies become copies of the transformer)"""
+    ema: bool = False
+    """keep an EMA of the trained weights and evaluate with it"""
+    ema_decay: float = 0.9
+    """decay of that EMA per optimizer step"""
+
+    # Memory
+    gradient_checkpointing: bool = False
+    """recompute transformer block activations in the backward pass (less memory, ~30% more time)"""
+    reward_device: Literal["accelerator", "cpu"] = "accelerator"
+    """where reward models run"""
+
+    # Evaluation and checkpoints
+    eval_every: int = 10
+    """evaluate with the Euler ODE on the test prompts every N epochs, and after the last (0: never)"""
+    eval_num_prompts: int = 16
+    """test prompts evaluated (the first N of the test split)"""
+    eval_seeds: int = 1
+    """samples per test prompt, at fixed seeds (one seed per prompt is noisy on small test sets)"""
+    eval_num_steps: int | None = None
+    """ODE steps of evaluation (unset: num_steps)"""
+    save_every: int = 10
+    """checkpoint every N epochs and after the last (0: only after the last)"""
+    keep_checkpoints: int = 2
+    """how many recent checkpoints to keep"""
+
+
+def _preset_lines(presets: dict[str, dict]) -> str:
+    lines = []
+    for name, values in presets.items():
+        if name != "none":
+            settings = ", ".join(f"{k.replace('_', '-')}={v}" for k, v in values.items())
+            lines.append(f"  {name}: {settings}")
+    return "\n".join(lines)
+
+
+def parse_args(args_class, presets: dict[str, dict], description: str):
+    """Parse the command line into `args_class`, whose defaults come from `--preset NAME` (flags given on the command
+    line override it), then check the values. Installs the one-line error reporting first, so every bad input
+    from here on exits with status 2 and one `error:` line."""
+    install_user_error_hook()
+    quiet_libraries()
+    avoid_cudnn_attention()
+    argv = sys.argv[1:]
+    name = "none"
+    for i, token in enumerate(argv):
+        if token == "--preset" and i + 1 < len(argv):
+            name = argv[i + 1]
+        elif token.startswith("--preset="):
+            name = token.split("=", 1)[1]
+    presets = {"none": {}, **presets}
+    if name not in presets:
+        raise UserError(f"unknown preset {name!r}; choose one of: {', '.join(presets)}")
+    text = f"{description}\n\n{NON_FINITE_NOTE}\n\nPresets (named defaults; flags override them):\n{_preset_lines(presets)}"
+    args = tyro.cli(args_class, default=replace(args_class(), preset=name, **presets[name]), args=argv,
+                    description=text)
+    if not args.exp_name:
+        args.exp_name = Path(sys.argv[0]).stem
+    check_args(args)
+    return args
+
+
+# (flag, smallest allowed value, why): every numeric flag of TrainArgs with a lower bound
+_AT_LEAST = [("epochs", 1, ""), ("prompts_per_epoch", 1, ""), ("group_size", 2, " (advantages compare a sample with "
+             "its group)"), ("batch_size", 1, ""), ("updates_per_epoch", 1, ""), ("num_steps", 2, ""),
+             ("lr_warmup_steps", 0, ""), ("lora_rank", 1, ""), ("max_sequence_length", 1, ""), ("resolution", 1, ""),
+             ("eval_every", 0, ""), ("eval_num_prompts", 1, ""), ("eval_seeds", 1, ""), ("save_every", 0, ""),
+             ("keep_checkpoints", 1, ""), ("weight_decay", 0, "")]
+_POSITIVE = ["lora_alpha", "max_grad_norm", "adv_clip_max"]
+
+
+def check_args(args) -> None:
+    """One-line errors for values no run can use (the scripts check their own algorithm flags)."""
+    for name, lowest, why in _AT_LEAST:
+        value = getattr(args, name)
+        if value < lowest:
+            raise UserError(f"--{name.replace('_', '-')} must be at least {lowest}{why}, got {value}")
+    for name in _POSITIVE:
+        if not getattr(args, name) > 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.learning_rate is not None and not args.learning_rate > 0:
+        raise UserError(f"--learning-rate must be positive, got {args.learning_rate}")
+    if args.eval_num_steps is not None and args.eval_num_steps < 1:
+        raise UserError(f"--eval-num-steps must be at least 1, got {args.eval_num_steps}")
+    if not 0 <= args.ema_decay < 1:
+        raise UserError(f"--ema-decay must be in [0, 1), got {args.ema_decay}")
+    if args.num_frames is not None and args.model != "wan":
+        raise UserError(f"--num-frames applies to video models (wan), not to {args.model}")
+
+
+def run_defining_flags(args) -> dict:
+    """The flags that define what a run is (the algorithm is the script's name): a --resume that changes one of
+    them is refused; the others (learning rate, epochs, evaluation, ...) may change between sessions."""
+    names = ["seed", "model", "prompts_per_epoch", "group_size", "full_finetune", "lora_rank", "lora_alpha"]
+    return {"algorithm": Path(sys.argv[0]).stem, **{name: getattr(args, name) for name in names}}

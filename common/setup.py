@@ -1,0 +1,350 @@
+"""What every script does before its first epoch and after each one, written once: `setup` (accelerator, data,
+rewards, model, LoRA or full fine-tuning, frozen policies, optimizer, `prepare`, resume) returns a `Run`; then
+`optimizer_step`, `evaluate`, `log_epoch` and `save` are called from the script's own loop, which they never own."""
+
+import copy
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+
+from common.cache import PromptEncoder, cache_texts, find_cache
+from common.checkpoint import (LORA_FILE, clean_stale_writes, load_full_state_into, load_lora_state_into,
+                               newest_complete_checkpoint, restore_rng, save_checkpoint)
+from common.cli import run_defining_flags
+from common.data import load_prompts, shard
+from common.distributed import (configure_backend, load_optimizer_state_dict, lora_state_dict, optimizer_state_dict,
+                                place_like, save_pretrained, staging_device, trainable)
+from common.models import ADAPTERS, load_adapter, resolve_model_path
+from common.sampling import sample, sample_generators
+from common.shadow import ReferencePolicy, ShadowPolicy
+from common.tracking import MetricsLog, check_finite, format_metrics, log_image, save_image_grid
+from common.training import EMA, add_lora, lr_scheduler, trainable_parameters
+from common.utils import RunStopped, UserError, peak_memory_gb, resolve_dtype
+from rewards import load_rewards, score_samples
+
+
+@dataclass
+class Run:
+    """What `setup` built. The script reads these; only the helpers below write them."""
+
+    args: object
+    accelerator: Accelerator
+    adapter: object               # common.models adapter; adapter.transformer is the prepared (wrapped) module
+    transformer: torch.nn.Module  # the prepared module: call it through adapter.velocity
+    unwrapped: torch.nn.Module    # the module itself (peft adapters, state dicts)
+    params: list                  # the trained parameters (float32)
+    optimizer: torch.optim.Optimizer
+    scheduler: object             # learning-rate schedule, stepped by optimizer_step
+    reference: ReferencePolicy    # the model before training (adapters disabled, or a frozen copy)
+    shadows: dict                 # name -> ShadowPolicy (θ_old, EMA samplers) the script asked for
+    ema: EMA | None               # --ema: an EMA of the weights for evaluation
+    encode: PromptEncoder         # prompts -> conditioning (the embedding cache when it matches)
+    rewards: list
+    train_prompts: list
+    test_prompts: list
+    sigmas: torch.Tensor          # the rollout schedule σ_0 = 1 … σ_N = 0
+    guidance: float
+    output_dir: Path
+    metrics_log: MetricsLog
+    start_epoch: int = 0
+    meta: dict = field(default_factory=dict)  # script state saved with the last checkpoint (e.g. a window)
+    local: slice = field(default_factory=lambda: slice(0))  # this process's part of each epoch's M·K samples
+    optimizer_steps: int = 0      # taken so far, this run and the ones it resumes
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+
+def _check_output_dir(output_dir: Path) -> None:
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UserError(f"--output-dir {output_dir} is a file, not a folder")
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        probe = output_dir / ".write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise UserError(f"--output-dir {output_dir} is not writable ({err.strerror})") from None
+
+
+def _find_resume(args, output_dir: Path, rank: int):
+    """The checkpoint to resume from (None: start afresh), or a one-line refusal. A folder that holds a run is never
+    restarted from scratch."""
+    metrics = output_dir / "metrics.jsonl"
+    has_run = (metrics.exists() and metrics.stat().st_size > 0) or any((output_dir / "checkpoints").glob("epoch_*"))
+    if not args.resume:
+        if has_run:
+            raise UserError(f"{output_dir} already holds a run: pass --resume to continue it or choose another "
+                            f"--output-dir")
+        return None, []
+    checkpoint, skipped = newest_complete_checkpoint(output_dir, args.full_finetune, rank)
+    if checkpoint is None:
+        if has_run:
+            why = "; ".join(skipped) if skipped else "none was written yet"
+            raise UserError(f"--resume: {output_dir} holds a run but no complete checkpoint ({why}); refusing to "
+                            f"start it again from scratch: move it away or choose another --output-dir")
+        return None, skipped
+    saved = checkpoint.meta.get("run", {})
+    for name, value in run_defining_flags(args).items():
+        if name in saved and saved[name] != value:
+            flag = "the script" if name == "algorithm" else f"--{name.replace('_', '-')}"
+            raise UserError(f"--resume: {flag} is {value!r} but the run in {output_dir} was started with "
+                            f"{saved[name]!r}; it defines the run, so it cannot change on resume")
+    return checkpoint, skipped
+
+
+def setup(args, shadows: tuple[str, ...] = (), reference_copy: bool = False, cfg_free: bool = False) -> Run:
+    """Build everything a script needs before its first epoch, resuming when asked.
+
+    shadows: names of frozen policies that trail the trained one (ShadowPolicy: a second LoRA adapter, or a copy
+    when fully fine-tuning), made before `prepare` so DDP registers only the trained weights.
+    reference_copy: the script compares with the reference policy; when fully fine-tuning that needs a frozen copy
+    (with LoRA the reference is the same module with its adapters disabled, at no cost).
+    cfg_free: the algorithm runs without classifier-free guidance, so true-CFG models sample at scale 1.
+    """
+    output_dir = Path(args.output_dir or f"runs/{args.exp_name}-{args.seed}")
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with=args.track, project_dir=str(output_dir))
+    configure_backend(accelerator, args.batch_size, args.max_grad_norm)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    local = shard(args.prompts_per_epoch * args.group_size, rank, world)
+    train_prompts, test_prompts = load_prompts(args.dataset, "train"), load_prompts(args.dataset, "test")
+    if args.prompts_per_epoch > len(train_prompts):
+        raise UserError(f"--prompts-per-epoch {args.prompts_per_epoch} exceeds the {len(train_prompts)} training "
+                        f"prompts of {args.dataset}")
+    rewards = load_rewards(args.reward or ["jpeg_compressibility"],
+                           accelerator.device if args.reward_device == "accelerator" else torch.device("cpu"))
+    true_cfg = ADAPTERS[args.model].true_cfg
+    if cfg_free and true_cfg and args.guidance_scale is not None and args.guidance_scale > 1:
+        raise UserError(f"{args.exp_name} is CFG-free: --guidance-scale {args.guidance_scale} would turn on true CFG "
+                        f"for {args.model}; leave it unset (1.0)")
+    _check_output_dir(output_dir)
+    checkpoint, skipped = _find_resume(args, output_dir, rank)
+
+    torch.manual_seed(args.seed)
+    dtype = resolve_dtype(args.dtype, accelerator.device)
+    model_path = resolve_model_path(args.model, args.model_path)
+    # With a matching embedding cache the text encoders are never loaded.
+    cache = find_cache(args.model, model_path, args.max_sequence_length, dtype,
+                       cache_texts(train_prompts, test_prompts, true_cfg), args.cache_dir, not args.cache)
+    adapter = load_adapter(args.model, model_path, accelerator.device, dtype, args.resolution,
+                           args.max_sequence_length, load_text_encoders=cache is None, num_frames=args.num_frames)
+    guidance = args.guidance_scale if args.guidance_scale is not None else (
+        1.0 if cfg_free and true_cfg else adapter.default_guidance_scale)
+    encode = PromptEncoder(adapter, cache)
+    accelerator.print(f"prompt embeddings: {cache.folder if cache else 'encoded online'}")
+
+    # Full fine-tuning under FSDP2/DeepSpeed waits on the CPU until `prepare` (common.distributed.staging_device).
+    transformer = adapter.transformer.to(staging_device(accelerator, args.full_finetune))
+    frozen_copy = None
+    if args.full_finetune:
+        if reference_copy:  # a frozen copy is the only reference a full fine-tune has
+            frozen_copy = copy.deepcopy(transformer).requires_grad_(False)
+        transformer.requires_grad_(True)
+    else:
+        add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_target_modules)
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    params = trainable_parameters(transformer)
+    shadow_policies = {name: ShadowPolicy(adapter, transformer, name, args.full_finetune) for name in shadows}
+    lr = args.learning_rate or (1e-5 if args.full_finetune else 3e-4)
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
+    scheduler = lr_scheduler(optimizer, args.lr_schedule, args.lr_warmup_steps, args.epochs * args.updates_per_epoch)
+    transformer, optimizer = accelerator.prepare(transformer, optimizer)
+    adapter.transformer = transformer  # rollout and training run the same (wrapped) module
+    unwrapped = accelerator.unwrap_model(transformer)
+    # FSDP2 replaces the parameters by DTensor shards: read them again; place the frozen copy like the model.
+    params = trainable(unwrapped)
+    reference = ReferencePolicy(adapter, unwrapped, place_like(frozen_copy, unwrapped))
+    ema = EMA(params, args.ema_decay, module=unwrapped) if args.ema else None
+
+    run = Run(args, accelerator, adapter, transformer, unwrapped, params, optimizer, scheduler, reference,
+              shadow_policies, ema, encode, rewards, train_prompts, test_prompts,
+              adapter.sigmas(args.num_steps), guidance, output_dir, MetricsLog(output_dir, accelerator), local=local)
+    if accelerator.is_main_process:
+        stale = clean_stale_writes(output_dir)
+        if stale:
+            print(f"removed unfinished checkpoint writes: {', '.join(stale)}")
+    if skipped:
+        accelerator.print(f"skipped checkpoints that do not load completely: {'; '.join(skipped)}")
+    if checkpoint is not None:
+        _restore(run, checkpoint)
+        accelerator.print(f"resumed from {checkpoint.folder} at epoch {run.start_epoch}")
+    elif args.resume:
+        accelerator.print(f"no run in {output_dir} yet: starting from scratch")
+    if args.track:
+        accelerator.init_trackers(args.wandb_project, config={k: str(v) for k, v in vars(args).items()},
+                                  init_kwargs={"wandb": {"name": f"{args.exp_name}-{args.seed}", "dir": str(output_dir)}})
+    return run
+
+
+def _restore(run: Run, checkpoint) -> None:
+    states = checkpoint.states
+    if run.args.full_finetune:
+        load_full_state_into(run.unwrapped, checkpoint.weights)
+    else:
+        load_lora_state_into(run.unwrapped, checkpoint.weights, str(checkpoint.folder))
+    load_optimizer_state_dict(run.unwrapped, run.optimizer, states["optimizer"])
+    run.scheduler.load_state_dict(states["scheduler"])
+    if run.ema is not None:
+        if "ema" not in states:
+            raise UserError(f"--ema: {checkpoint.folder} was saved without an EMA")
+        run.ema.load_state_dict(states["ema"])
+    for name, shadow in run.shadows.items():
+        shadow.load_state_dict(states[name])
+    restore_rng(checkpoint.rng)
+    run.start_epoch = checkpoint.meta["epoch"] + 1
+    run.optimizer_steps = checkpoint.meta.get("optimizer_steps", run.start_epoch * run.args.updates_per_epoch)
+    run.meta = checkpoint.meta
+    run.metrics_log.truncate_after(checkpoint.meta["epoch"])
+
+
+def optimizer_step(run: Run, epoch: int) -> float:
+    """Clip, check and apply the accumulated gradients; step the learning-rate schedule and the EMA. Returns the
+    gradient norm before clipping. A non-finite norm stops the run before the weights change."""
+    grad_norm = float(run.accelerator.clip_grad_norm_(run.params, run.args.max_grad_norm))
+    if not torch.isfinite(torch.tensor(grad_norm)):
+        raise RunStopped(f"epoch {epoch}: the gradient norm is {grad_norm}; stopping before the optimizer step "
+                         f"(the last checkpoint is intact)")
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.optimizer_steps += 1
+    if run.ema is not None:
+        run.ema.update()
+    return grad_norm
+
+
+def epoch_metrics(run: Run, epoch: int, all_raw: torch.Tensor, stats: dict, timings: dict) -> dict:
+    """The metrics every script logs, in metrics.jsonl's key names: rewards (the epoch, all processes), the mean of
+    each list in `stats` over micro-steps and processes, the learning rate, counters and times."""
+    accelerator, rewards = run.accelerator, run.rewards
+    combined = all_raw @ torch.tensor([r.weight for r in rewards], dtype=torch.float64)
+    device = run.device
+    peak = accelerator.reduce(torch.tensor(peak_memory_gb(device), device=device), "max")
+    return {
+        "epoch": epoch,
+        "reward_mean": float(combined.mean()),
+        "reward_std": float(combined.std(correction=0)),
+        **{f"reward_{r.name}_mean": float(all_raw[:, k].mean()) for k, r in enumerate(rewards)},
+        **{f"reward_{r.name}_std": float(all_raw[:, k].std(correction=0)) for k, r in enumerate(rewards)},
+        **{name: float(accelerator.reduce(torch.stack(values).float().mean(), "mean"))
+           for name, values in stats.items() if values},
+        "lr": run.scheduler.get_last_lr()[0],
+        "optimizer_steps": run.optimizer_steps,
+        "samples_seen": (epoch + 1) * run.args.prompts_per_epoch * run.args.group_size,
+        "num_processes": accelerator.num_processes,
+        **timings,
+        "peak_memory_gb": float(peak),
+    }
+
+
+@torch.no_grad()
+def evaluate(run: Run, epoch: int) -> dict:
+    """Euler-ODE samples of the first --eval-num-prompts test prompts × --eval-seeds fixed seeds (the same in every
+    run), with the trained weights (their EMA with --ema): the rewards' means, each check of a reward that reports
+    checks (`score.checks(images, prompts)`), and a captioned image grid in OUTPUT_DIR/eval/ and the trackers."""
+    args, adapter, accelerator = run.args, run.adapter, run.accelerator
+    if not (args.eval_every and (epoch % args.eval_every == 0 or epoch == args.epochs - 1)):
+        return {}
+    prompts = run.test_prompts[: args.eval_num_prompts]
+    items = [(i, s) for i in range(len(prompts)) for s in range(args.eval_seeds)]
+    sigmas = adapter.sigmas(args.eval_num_steps or args.num_steps)
+    pointwise = [r for r in run.rewards if not r.groupwise]
+    results = []
+    run.transformer.eval()
+    with run.ema.applied() if run.ema is not None else nullcontext(), \
+            accelerator.split_between_processes(list(range(len(items)))) as mine:
+        for start in range(0, len(mine), args.batch_size):
+            batch = [items[k] for k in mine[start:start + args.batch_size]]
+            cond = run.encode([prompts[i] for i, _ in batch])
+            seeds = [i + 1_000_003 * s for i, s in batch]  # prompt i's first seed is i, as in earlier versions
+            velocity = lambda x, sigma: adapter.velocity(x, sigma, cond, run.guidance)  # noqa: E731
+            x0 = sample(velocity, adapter.noise(sample_generators(seeds, run.device)), sigmas, "ode")
+            images = adapter.decode(x0)
+            texts = [prompts[i].prompt for i, _ in batch]
+            raw = score_samples(pointwise, images, texts, torch.tensor([prompts[i].key for i, _ in batch]))
+            checks = {f"{r.name}_{name}": values for r in pointwise if hasattr(r.score, "checks")
+                      for name, values in r.score.checks(images, texts).items()}
+            for row, (i, s) in enumerate(batch):
+                results.append(((i, s), raw[row].tolist(), {k: float(v[row]) for k, v in checks.items()},
+                                images[row].cpu() if s < 8 else None))
+    results = sorted(gather_object(results), key=lambda item: item[0])
+    raw = torch.tensor([r[1] for r in results], dtype=torch.float64)
+    weights = torch.tensor([r.weight for r in pointwise], dtype=torch.float64)
+    out = {"eval_reward_mean": float((raw @ weights).mean())}
+    out.update({f"eval_reward_{r.name}": float(raw[:, k].mean()) for k, r in enumerate(pointwise)})
+    for key in results[0][2]:
+        out[f"eval_{key}"] = sum(r[2][key] for r in results) / len(results)
+    if accelerator.is_main_process:
+        shown = min(args.eval_seeds, 8)
+        picture = save_image_grid(torch.stack([r[3] for r in results if r[3] is not None]),
+                                  run.output_dir / "eval" / f"epoch_{epoch:06d}.png", columns=shown,
+                                  captions=[p.prompt for p in prompts])
+        log_image(accelerator, "eval/samples", picture, epoch)
+    return out
+
+
+def log_epoch(run: Run, metrics: dict, show: list[str], bar=None) -> None:
+    """Check that the losses, rewards and gradient norm are finite (else stop, before writing), then append the
+    epoch to metrics.jsonl, send it to the trackers and print the `show` keys."""
+    check_finite(metrics)
+    run.metrics_log.log(metrics)
+    if run.accelerator.is_main_process:
+        line = format_metrics(metrics, show)
+        bar.write(line) if bar is not None else print(line, flush=True)
+
+
+def save(run: Run, epoch: int, meta: dict | None = None) -> None:
+    """Checkpoint at every --save-every epochs and after the last: weights (LoRA file or `transformer/`), optimizer,
+    learning-rate schedule, EMA, the frozen policies, RNG, and `meta` (script state restored as run.meta)."""
+    args = run.args
+    if not (epoch == args.epochs - 1 or (args.save_every and (epoch + 1) % args.save_every == 0)):
+        return
+    for p in run.params:
+        if not torch.isfinite(p.detach()).all():
+            raise RunStopped(f"epoch {epoch}: the trained weights are not finite; no checkpoint was written")
+    states = {"optimizer": optimizer_state_dict(run.unwrapped, run.optimizer), "scheduler": run.scheduler.state_dict()}
+    if run.ema is not None:
+        states["ema"] = run.ema.state_dict()
+    states.update({name: shadow.state_dict() for name, shadow in run.shadows.items()})
+
+    def write_weights(folder, state):  # state: the full state dict, gathered by save_checkpoint
+        if args.full_finetune:
+            save_pretrained(run.unwrapped, os.path.join(folder, "transformer"), state)
+        else:
+            run.adapter.save_lora(folder, lora_state_dict(run.unwrapped, state))
+            os.chmod(Path(folder) / LORA_FILE, 0o666 & ~_umask())  # safetensors writes 0600
+
+    info = {"run": run_defining_flags(args), "model": args.model, "full_finetune": args.full_finetune,
+            "weights": "transformer" if args.full_finetune else LORA_FILE, "optimizer_steps": run.optimizer_steps,
+            "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"), **(meta or {})}
+    save_checkpoint(run.accelerator, run.output_dir, epoch, write_weights, states, info, keep=args.keep_checkpoints,
+                    model=run.unwrapped)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def finish(run: Run) -> None:
+    """End the trackers and say where the outputs are."""
+    run.accelerator.end_training()
+    run.accelerator.print(f"outputs: {run.output_dir} (metrics.jsonl, eval/, checkpoints/)")
+
+
+def score_epoch(run: Run, images: torch.Tensor, records: list, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewards of this process's samples, gathered over all processes in draw order: (all raw scores (N, R),
+    all group ids (N,)). Group statistics then see every sample of a group, whichever process drew it."""
+    from accelerate.utils import gather
+
+    raw = score_samples(run.rewards, images, [r.prompt for r in records], group_ids, run.accelerator)
+    return gather(raw.to(run.device)).cpu(), gather(group_ids.to(run.device)).cpu()
