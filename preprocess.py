@@ -4,30 +4,31 @@
 #   accelerate launch preprocess.py ...   (each process encodes its share)
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
-import tyro
 from accelerate import Accelerator
 
 from common.cache import build_cache, cache_texts, default_cache_root, fingerprint_inputs, open_cache
+from common.cli import parse_args
 from common.data import DEFAULT_DATASET, load_prompts
 from common.models import ADAPTERS, load_adapter, resolve_model_path
-from common.utils import UserError, install_user_error_hook, quiet_libraries, resolve_dtype
+from common.utils import UserError, resolve_dtype
 
 
 @dataclass
 class Args:
-    model: str = "flux1"
-    """model family; one of common.models.ADAPTERS"""
+    model: Literal["flux1", "sd3", "qwen-image", "wan"] = "flux1"
+    """model family"""
     model_path: str | None = None
-    """hub id or local folder of the pipeline; `tiny` for the offline tiny one (default: the published model)"""
+    """hub id or local folder of the pipeline; `tiny` or `toy` for the offline ones (unset: the published model)"""
     dataset: str = DEFAULT_DATASET
     """folder with train/test .jsonl or .txt prompt files"""
     cache_dir: str | None = None
-    """root folder of embedding caches (default: $FLOWRL_CACHE/embeddings, where training looks)"""
+    """root folder of embedding caches (unset: $FLOWRL_CACHE/embeddings, where training looks)"""
     max_sequence_length: int = 512
     """prompt length in tokens: must equal the training run's"""
-    dtype: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """embedding dtype: must equal the training run's (auto: bf16 on GPU, float32 on CPU)"""
     shard_size: int = 256
     """prompts per safetensors shard"""
@@ -35,12 +36,15 @@ class Args:
     """rebuild even when a complete matching cache exists"""
 
 
+def check(args: Args) -> None:
+    if args.shard_size < 1:
+        raise UserError(f"--shard-size must be at least 1, got {args.shard_size}")
+    if args.max_sequence_length < 1:
+        raise UserError(f"--max-sequence-length must be at least 1, got {args.max_sequence_length}")
+
+
 if __name__ == "__main__":
-    install_user_error_hook()
-    quiet_libraries()
-    args = tyro.cli(Args)
-    if args.model not in ADAPTERS:
-        raise UserError(f"unknown model {args.model!r}; choose one of: {', '.join(ADAPTERS)}")
+    args = parse_args(Args, description="Build the embedding cache of a dataset's prompts.", check=check)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     dtype = resolve_dtype(args.dtype, accelerator.device)
     model_path = resolve_model_path(args.model, args.model_path)

@@ -119,6 +119,13 @@ def matching_log_prob(velocity, target, sigma, weighting: str, ghuber_power: flo
     return -weighted
 
 
+def clipped_policy_loss(log_prob, log_prob_old, advantages, clip_range: float):
+    """PPO's clipped surrogate per sample on ratio = exp(logp − logp_old): max(−A·ratio, −A·clamp(ratio, 1 ± c)).
+    Returns (loss (B,), ratio (B,))."""
+    ratio = torch.exp(log_prob - log_prob_old)
+    return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_range, 1 + clip_range)), ratio
+
+
 if __name__ == "__main__":
     args = parse_args(Args, PRESETS, f"AWM (arXiv:2509.25050): advantage-weighted flow matching. Note: {COLLAPSE_WARNING}.")
     if args.ghuber_power <= 0:
@@ -208,9 +215,8 @@ if __name__ == "__main__":
                             log_prob_old = matching_log_prob(v_ema, target, sigma, args.weighting, args.ghuber_power)
                         else:  # on-policy: ratio ≡ 1, the gradient is that of mean(A·logp) (AWM eq. 9)
                             log_prob_old = log_prob.detach()
-                        ratio = torch.exp(log_prob - log_prob_old)
-                        policy_loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - args.clip_range,
-                                                                                     1 + args.clip_range)).float()
+                        policy_loss, ratio = clipped_policy_loss(log_prob, log_prob_old, adv, args.clip_range)
+                        policy_loss = policy_loss.float()
                         kl, ema_kl = torch.zeros_like(policy_loss), torch.zeros_like(policy_loss)
                         if args.kl_beta > 0:  # velocity-space KL to the reference (adapters disabled)
                             kl = ((v_theta - v_ref) ** 2).flatten(1).mean(1)

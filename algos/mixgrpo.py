@@ -142,6 +142,28 @@ def flash_sigmas(adapter, sigmas: torch.Tensor, last: int, ratio: float) -> torc
 
 
 
+@torch.no_grad()
+def mixed_rollout(velocity, x, generators, sigmas, window, dynamics, noise_level, flash_tail=None, store=None):
+    """MixGRPO's rollout of noise x at σ_0 = 1 with velocity(x, σ): Euler ODE steps before the window, `dynamics`
+    inside it, keeping x_j, x_{j+1} and log p_old(x_{j+1} | x_j) of each window step, then the Euler ODE to σ = 0, or
+    with Flash (flash_tail: the compressed σ's from the step after the window on) DPM-Solver++ 2M seeded with the last
+    window step's x̂0. Returns (x0, {"x": (B, W, ...), "x_next": (B, W, ...), "log_prob_old": (B, W)})."""
+    end = window[-1] + 1 if flash_tail is not None else len(sigmas) - 1
+    stored, history = {"x": [], "x_next": [], "log_prob_old": []}, None
+    for j in range(end):
+        v = velocity(x, sigmas[j])
+        x_next, log_prob, _, _ = sde_step(dynamics if j in window else "ode", v, x, sigmas[j], sigmas[j + 1],
+                                          noise_level, generator=generators)
+        if j in window:
+            for key, value in zip(stored, (x, x_next, log_prob)):
+                stored[key].append(value if store is None else value.to(store))
+        history = (sigmas[j], x.float() - sigmas[j] * v)  # x̂0 = x − σ·v: the multistep solver's memory
+        x = x_next
+    if flash_tail is not None:
+        x = dpm_solver_sample(velocity, x, flash_tail, history).to(x.dtype)
+    return x, {key: torch.stack(values, dim=1) for key, values in stored.items()}
+
+
 if __name__ == "__main__":
     args = parse_args(Args, PRESETS, "MixGRPO (arXiv:2507.21802): Flow-GRPO on a sliding window of SDE steps.")
     if args.num_steps < 3:
@@ -180,33 +202,20 @@ if __name__ == "__main__":
         train_steps = window_steps(window_start, args.num_steps, args.window_size)
         # Flash: the steps after the window (L = its last step) run on a compressed schedule with DPM-Solver++.
         epoch_sigmas = flash_sigmas(adapter, sigmas, train_steps[-1], args.flash_compress_ratio) if args.flash else sigmas
-        solver_from = train_steps[-1] + 1 if args.flash else args.num_steps
+        flash_tail = epoch_sigmas[train_steps[-1] + 1:] if args.flash else None
 
         # ---- 2. rollout: SDE in the window, keeping (x_j, x_{j+1}, log p_old) of its steps; ODE / Flash elsewhere --
         cond = run.encode(records)
         run.transformer.eval()
         stored, images = {"x": [], "x_next": [], "log_prob_old": []}, []
-        with torch.no_grad():
-            for index in rollout_batches:
-                c, generators = {k: v[index] for k, v in cond.items()}, sample_generators(seeds[index], device)
-                steps = {"x": [], "x_next": [], "log_prob_old": []}
-                x = adapter.noise(sample_generators(noise_seeds[index] if args.same_group_noise else seeds[index],
-                                                    device))
-                for j in range(solver_from):
-                    v = adapter.velocity(x, sigmas[j], c, guidance)
-                    x_next, log_prob, _, _ = sde_step(args.dynamics if j in train_steps else "ode", v, x, sigmas[j],
-                                                      sigmas[j + 1], args.noise_level, generator=generators)
-                    if j in train_steps:
-                        for key, value in zip(steps, (x, x_next, log_prob)):
-                            steps[key].append(value.to(store))
-                    history = (sigmas[j], x.float() - sigmas[j] * v)  # x̂0 = x − σ·v: Flash's solver memory
-                    x = x_next
-                if args.flash:
-                    x = dpm_solver_sample(lambda latents, sigma: adapter.velocity(latents, sigma, c, guidance), x,
-                                          epoch_sigmas[solver_from:], history).to(x.dtype)
-                for key in stored:
-                    stored[key].append(torch.stack(steps[key], dim=1))  # (batch, trained steps, ...)
-                images.append(adapter.decode(x).cpu())
+        for index in rollout_batches:
+            c, generators = {k: v[index] for k, v in cond.items()}, sample_generators(seeds[index], device)
+            noise = adapter.noise(sample_generators(noise_seeds[index], device) if args.same_group_noise else generators)
+            x0, steps = mixed_rollout(lambda x, sigma: adapter.velocity(x, sigma, c, guidance), noise, generators,
+                                      sigmas, train_steps, args.dynamics, args.noise_level, flash_tail, store)
+            for key in stored:
+                stored[key].append(steps[key])
+            images.append(adapter.decode(x0).cpu())
         stored = {key: torch.cat(values) for key, values in stored.items()}
         rollout_time = time.time() - epoch_start
 

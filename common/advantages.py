@@ -45,3 +45,21 @@ def compute_advantages(rewards: torch.Tensor, weights, group_ids: torch.Tensor, 
         _, _, group_std = _group_mean_std(combined, inverse, num_groups)
     stats = {"zero_std_frac": float((group_std < 1e-12).double().mean()), "num_groups": num_groups}
     return advantages.clamp(-clip, clip), stats
+
+
+def group_members(group_ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    """{group id: positions of its samples, in order} for the epoch's (or a process's) samples."""
+    group_ids = torch.as_tensor(group_ids)
+    return {int(g): torch.nonzero(group_ids == g).flatten() for g in torch.unique(group_ids)}
+
+
+def best_worst_pairs(advantages: torch.Tensor, group_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """One (best, worst) pair of positions per group, by advantage (the first of equals wins). A group whose
+    samples all have the same advantage gives no pair: it holds no preference."""
+    pairs = []
+    for members in group_members(group_ids).values():
+        values = advantages[members]
+        if bool((values == values[0]).all()):
+            continue
+        pairs.append((int(members[torch.argmax(values)]), int(members[torch.argmin(values)])))
+    return pairs

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from common.data import Prompt
 from common.utils import UserError
 
-CACHE_VERSION = 1  # bump whenever the encoding code changes what it stores
+CACHE_VERSION = 2  # bump whenever the encoding code changes what it stores
 MANIFEST = "manifest.json"
 
 
@@ -64,9 +64,22 @@ def _local_model_folder(model_path: str) -> tuple[Path, str | None]:
     return folder, folder.name  # snapshots/<commit hash>
 
 
+def _weights_digest(file: Path, span: int = 1 << 20) -> str:
+    """A weights file's size and the sha256 of its first and last MiB: cheap, and it changes when the file is
+    replaced by different weights (safetensors headers and tensor data sit at both ends)."""
+    size = file.stat().st_size
+    with file.open("rb") as handle:
+        head = handle.read(span)
+        handle.seek(max(0, size - span))
+        tail = handle.read(span)
+    return f"size={size},sha256={_sha256(head + tail)[:32]}"
+
+
 def fingerprint_inputs(model: str, model_path: str, max_sequence_length: int, dtype: torch.dtype,
                        texts: list[str]) -> dict:
     folder, revision = _local_model_folder(model_path)
+    if not (folder / "model_index.json").is_file():
+        raise UserError(f"{model_path!r} has no model_index.json: it is not a diffusers pipeline folder")
     index = json.loads((folder / "model_index.json").read_text())
     encoders = {}
     for name in sorted(k for k in index if k.startswith(("text_encoder", "tokenizer"))):
@@ -75,13 +88,14 @@ def fingerprint_inputs(model: str, model_path: str, max_sequence_length: int, dt
         for file in sorted((folder / name).iterdir()):
             if file.suffix in (".json", ".txt", ".model") or name.startswith("tokenizer"):
                 encoders[f"{name}/{file.name}"] = _sha256(file.read_bytes())
-            else:  # weights: too large to hash on every start; size and mtime catch a replaced file
-                stat = file.stat()
-                encoders[f"{name}/{file.name}"] = f"size={stat.st_size},mtime={int(stat.st_mtime)}"
+            else:  # weights: too large to hash whole on every start
+                encoders[f"{name}/{file.name}"] = _weights_digest(file)
     return {
         "version": CACHE_VERSION,
         "model": model,
-        "model_path": str(Path(model_path).resolve()) if Path(model_path).is_dir() else model_path,
+        # A local folder is known by its files' contents (above), not its path: the same model moved elsewhere (or
+        # rebuilt under another $FLOWRL_CACHE) still matches its cache.
+        "model_path": "" if Path(model_path).is_dir() else model_path,
         "revision": revision,
         "encoders": encoders,
         "max_sequence_length": max_sequence_length,
@@ -108,7 +122,12 @@ class EmbeddingCache:
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
-        self.manifest = json.loads((self.folder / MANIFEST).read_text())
+        try:
+            self.manifest = json.loads((self.folder / MANIFEST).read_text())
+            self.manifest["shards"], self.manifest["index"], self.manifest["keys"]  # noqa: B018
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+            raise UserError(f"embedding cache manifest {self.folder / MANIFEST} is malformed ({type(err).__name__}): "
+                            f"rebuild it with preprocess.py --force") from None
         for shard in self.manifest["shards"]:
             path = self.folder / shard["file"]
             size = path.stat().st_size if path.exists() else -1

@@ -1,6 +1,8 @@
 """The flags every script shares (`TrainArgs`, which each script's `Args` extends with its algorithm's flags),
 presets, and the checks that turn bad values into one-line errors before anything is loaded or written."""
 
+import contextlib
+import io
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -132,29 +134,53 @@ def _preset_lines(presets: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(args_class, presets: dict[str, dict], description: str):
+def _one_line(message: str) -> str:
+    """tyro's boxed error message as one line: the text above the box's first rule, with `see --help`."""
+    lines = []
+    for line in message.splitlines():
+        text = line.strip().strip("│╭╮╰╯").strip()
+        if text.startswith("─"):
+            if lines:
+                break
+            continue
+        if text and not text.startswith(("╭", "╰")) and "─" not in text[:2]:
+            lines.append(text)
+    return " ".join(" ".join(lines).split()) + " (see --help)"
+
+
+def parse_args(args_class, presets: dict[str, dict] | None = None, description: str = "", check=None):
     """Parse the command line into `args_class`, whose defaults come from `--preset NAME` (flags given on the command
-    line override it), then check the values. Installs the one-line error reporting first, so every bad input
-    from here on exits with status 2 and one `error:` line."""
+    line override it), then check the values (`check`, default `check_args` for TrainArgs). Installs the one-line
+    error reporting first, so every bad input from here on exits with status 2 and one `error:` line."""
     install_user_error_hook()
     quiet_libraries()
     avoid_cudnn_attention()
     argv = sys.argv[1:]
-    name = "none"
-    for i, token in enumerate(argv):
-        if token == "--preset" and i + 1 < len(argv):
-            name = argv[i + 1]
-        elif token.startswith("--preset="):
-            name = token.split("=", 1)[1]
-    presets = {"none": {}, **presets}
-    if name not in presets:
-        raise UserError(f"unknown preset {name!r}; choose one of: {', '.join(presets)}")
-    text = f"{description}\n\n{NON_FINITE_NOTE}\n\nPresets (named defaults; flags override them):\n{_preset_lines(presets)}"
-    args = tyro.cli(args_class, default=replace(args_class(), preset=name, **presets[name]), args=argv,
-                    description=text)
-    if not args.exp_name:
+    default = args_class()
+    if presets is not None:
+        name = "none"
+        for i, token in enumerate(argv):
+            if token == "--preset" and i + 1 < len(argv):
+                name = argv[i + 1]
+            elif token.startswith("--preset="):
+                name = token.split("=", 1)[1]
+        presets = {"none": {}, **presets}
+        if name not in presets:
+            raise UserError(f"unknown preset {name!r}; choose one of: {', '.join(presets)}")
+        default = replace(default, preset=name, **presets[name])
+        description = (f"{description}\n\n{NON_FINITE_NOTE}\n\nPresets (named defaults; flags override them):\n"
+                       f"{_preset_lines(presets)}")
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            args = tyro.cli(args_class, default=default, args=argv, description=description)
+    except SystemExit as exit:
+        if exit.code in (0, None):
+            raise
+        raise UserError(_one_line(captured.getvalue())) from None
+    if getattr(args, "exp_name", None) == "":
         args.exp_name = Path(sys.argv[0]).stem
-    check_args(args)
+    (check or check_args)(args)
     return args
 
 

@@ -29,14 +29,28 @@ class Prompt:
         return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def _lines(path: Path) -> list[str]:
+    """The file's lines; a byte sequence that is not UTF-8 is reported with its file and line."""
+    lines = path.read_bytes().split(b"\n")
+    for number, line in enumerate(lines, start=1):
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise UserError(f"{path}:{number}: not UTF-8 text (byte 0x{line[err.start]:02x} at column "
+                            f"{err.start + 1})") from None
+    return [line.decode("utf-8").rstrip("\r") for line in lines]
+
+
 def load_prompts(dataset: str | Path, split: str) -> list[Prompt]:
     folder = Path(dataset)
     if not folder.is_dir():
         raise UserError(f"dataset folder {str(folder)!r} does not exist")
     jsonl, txt = folder / f"{split}.jsonl", folder / f"{split}.txt"
+    if jsonl.exists() and txt.exists():
+        raise UserError(f"dataset folder {str(folder)!r} has both {split}.jsonl and {split}.txt: keep one")
     records = []
     if jsonl.exists():
-        for number, line in enumerate(jsonl.read_text(encoding="utf-8").splitlines(), start=1):
+        for number, line in enumerate(_lines(jsonl), start=1):
             if not line.strip():
                 continue
             try:
@@ -51,7 +65,7 @@ def load_prompts(dataset: str | Path, split: str) -> list[Prompt]:
             records.append(Prompt(item["prompt"], negative))
         source = jsonl
     elif txt.exists():
-        records = [Prompt(line.strip()) for line in txt.read_text(encoding="utf-8").splitlines() if line.strip()]
+        records = [Prompt(line.strip()) for line in _lines(txt) if line.strip()]
         source = txt
     else:
         raise UserError(f"dataset folder {str(folder)!r} has neither {split}.jsonl nor {split}.txt")
@@ -60,13 +74,18 @@ def load_prompts(dataset: str | Path, split: str) -> list[Prompt]:
     return records
 
 
-def epoch_draw(num_prompts: int, prompts_per_epoch: int, group_size: int, seed: int, epoch: int) -> np.ndarray:
+def epoch_draw(num_prompts: int, prompts_per_epoch: int, group_size: int, seed: int, epoch: int,
+               whole_groups: bool = False) -> np.ndarray:
     """Dataset indices of the epoch's M·K samples: M distinct prompts, each K times, in a shuffled order.
-    It depends only on (seed, epoch), so every process (and a resumed run) draws the same list."""
+    It depends only on (seed, epoch), so every process (and a resumed run) draws the same list. With
+    `whole_groups` each group's K samples are contiguous (groups in a shuffled order), so when M is a multiple of the
+    number of processes every process holds whole groups (what a pairwise loss needs)."""
     if prompts_per_epoch > num_prompts:
         raise UserError(f"--prompts-per-epoch {prompts_per_epoch} exceeds the {num_prompts} training prompts")
     rng = np.random.default_rng([seed, epoch, 0x5EED])
     chosen = rng.permutation(num_prompts)[:prompts_per_epoch]
+    if whole_groups:
+        return np.repeat(chosen, group_size)
     return rng.permutation(np.repeat(chosen, group_size))
 
 
@@ -84,8 +103,8 @@ def shard(count: int, rank: int, world: int) -> slice:
 
 
 def epoch_samples(prompts: list[Prompt], prompts_per_epoch: int, group_size: int, seed: int, epoch: int,
-                  local: slice) -> tuple[list[Prompt], torch.Tensor]:
+                  local: slice, whole_groups: bool = False) -> tuple[list[Prompt], torch.Tensor]:
     """This process's part of the epoch's draw: its prompt records and each sample's noise seed (int64)."""
-    draw = epoch_draw(len(prompts), prompts_per_epoch, group_size, seed, epoch)
+    draw = epoch_draw(len(prompts), prompts_per_epoch, group_size, seed, epoch, whole_groups)
     seeds = sample_seeds(seed, epoch, prompts_per_epoch * group_size)
     return [prompts[i] for i in draw[local]], torch.tensor(seeds[local], dtype=torch.int64)

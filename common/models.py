@@ -23,11 +23,15 @@ MODELS = tuple(DEFAULT_MODEL_PATHS)
 
 
 def resolve_model_path(model: str, model_path: str | None) -> str:
-    """`tiny` -> the locally built tiny pipeline; None -> the model's published checkpoint."""
+    """`tiny` -> the locally built tiny pipeline; `toy` -> the shipped toy-world pipeline (FLUX.1 only); None ->
+    the model's published checkpoint."""
     from common.tiny import tiny_model_path
+    from common.toy import toy_model_path
 
     if model_path == "tiny":
         return str(tiny_model_path(model))
+    if model_path == "toy":  # the toy world's pretrained FLUX.1 (common/toy.py); a UserError for other models
+        return str(toy_model_path(model))
     return model_path or DEFAULT_MODEL_PATHS[model]
 
 
@@ -94,6 +98,14 @@ class _Adapter:
             for module in self.text_encoders:
                 module.to(self.offload_device)
 
+    def count_truncated(self, texts: list[str]) -> int:
+        """How many of `texts` are longer than max_sequence_length tokens of the sequence encoder (T5, UMT5 or the
+        Qwen2.5-VL text): the pipelines truncate them silently. 0 when the tokenizers were not loaded (cache)."""
+        tokenizer = getattr(self.pipe, self.long_tokenizer, None)
+        if tokenizer is None:
+            return 0
+        return sum(len(tokenizer(text).input_ids) > self.max_sequence_length for text in texts)
+
     def _require_text_encoders(self) -> None:
         if not self.text_encoders:
             raise RuntimeError("text encoders were not loaded (training from the embedding cache)")
@@ -131,6 +143,7 @@ class FluxAdapter(_Adapter):
     pipeline_class_name = "FluxPipeline"
     display_name = "FLUX.1"
     text_components = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+    long_tokenizer = "tokenizer_2"
     true_cfg = False  # guidance is an embedding input: no negative prompts to encode
     default_guidance_scale = 3.5  # FLUX.1-dev's guidance embedding (Flow-GRPO)
     # Attention and feed-forward projections of both block types (Flow-GRPO's FLUX LoRA targets).
@@ -228,6 +241,7 @@ class SD3Adapter(_Adapter):
     display_name = "SD3"
     max_sequence_limit = 512  # the T5 input
     text_components = ("text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3")
+    long_tokenizer = "tokenizer_3"
     true_cfg = True
     # Flow-GRPO's SD3.5 LoRA targets: the joint attention's image and text projections (not `attn2`).
     lora_target_modules = [
@@ -323,6 +337,7 @@ class QwenImageAdapter(_Adapter):
     display_name = "Qwen-Image"
     max_sequence_limit = 1024
     text_components = ("text_encoder", "tokenizer")
+    long_tokenizer = "tokenizer"
     true_cfg = True
     # Flow-GRPO's Qwen-Image LoRA targets: attention of both streams and both streams' MLPs.
     lora_target_modules = [
@@ -430,6 +445,7 @@ class WanAdapter(_Adapter):
     default_guidance_scale = 4.5  # true CFG scale of the references (Wan2.1, Flow-GRPO)
     display_name = "Wan"
     text_components = ("text_encoder", "tokenizer")
+    long_tokenizer = "tokenizer"
     true_cfg = True
     # Flow-GRPO's Wan2.1 LoRA targets (the add_* projections exist only in image-to-video checkpoints).
     lora_target_modules = [

@@ -139,6 +139,11 @@ def setup(args, shadows: tuple[str, ...] = (), reference_copy: bool = False, cfg
         1.0 if cfg_free and true_cfg else adapter.default_guidance_scale)
     encode = PromptEncoder(adapter, cache)
     accelerator.print(f"prompt embeddings: {cache.folder if cache else 'encoded online'}")
+    texts = sorted({p.prompt for p in train_prompts + test_prompts})
+    truncated = adapter.count_truncated(texts)
+    if truncated:
+        accelerator.print(f"warning: {truncated} of {len(texts)} prompts are longer than --max-sequence-length "
+                          f"{args.max_sequence_length} tokens and are truncated")
 
     # Full fine-tuning under FSDP2/DeepSpeed waits on the CPU until `prepare` (common.distributed.staging_device).
     transformer = adapter.transformer.to(staging_device(accelerator, args.full_finetune))

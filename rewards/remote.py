@@ -15,6 +15,9 @@ Protocol: GET /info -> {"name", "groupwise"}; POST /score {"prompts": [...], "im
 import base64
 import io
 import json
+import socket
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -47,33 +50,59 @@ def decode_images(encoded: list[str]) -> torch.Tensor:
 
 class RemoteReward:
     """Client of a reward server. Connection failures and timeouts are retried with exponential backoff
-    (1 s, 2 s, 4 s, ...); a server that stays unreachable stops the run with a UserError naming its URL.
-    The server's name and groupwise flag are read once, at load, so a down server fails before training."""
+    (1 s, 2 s, 4 s, ...); a server that stays unreachable stops the run with a UserError naming its URL, and one
+    that answered /info but then hangs is reported as stuck, not unreachable. A request still waiting after
+    `notice_after` seconds prints one line saying what it waits for. The server's name and groupwise flag are read
+    once, at load, so a down server fails before training."""
 
     def __init__(self, url: str = "", timeout: str = "120", retries: str = "3", batch_size: str = "32",
-                 backoff: str = "1.0"):
+                 backoff: str = "1.0", notice_after: str = "5"):
         if not url.startswith(("http://", "https://")):
             raise UserError(f"the remote reward needs url=http://HOST:PORT (got {url!r})")
         try:
             self.timeout, self.retries = float(timeout), int(retries)
             self.batch_size, self.backoff = int(batch_size), float(backoff)
+            self.notice_after = float(notice_after)
         except ValueError:
             raise UserError("remote reward options timeout/backoff must be numbers and retries/batch_size "
                             "integers") from None
-        self.url = url.rstrip("/")
+        self.url, self.reached = url.rstrip("/"), False
         info = self._request("/info")
+        self.reached = True  # from now on a failure is a stuck server, not an unreachable one
         self.name, self.groupwise = str(info["name"]), bool(info["groupwise"])
 
-    def _request(self, route: str, payload: dict | None = None) -> dict:
+    def _open(self, request, what: str):
+        """urlopen in a thread, so that a slow server is reported after a few seconds instead of in silence."""
+        result = {}
+
+        def fetch():
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    result["body"] = response.read()
+            except BaseException as error:  # re-raised in the caller's thread
+                result["error"] = error
+
+        thread = threading.Thread(target=fetch, daemon=True)
+        thread.start()
+        thread.join(self.notice_after)
+        if thread.is_alive():
+            print(f"remote reward: waiting for {self.url} to answer {what} (gives up after {self.timeout:g} s)",
+                  file=sys.stderr, flush=True)
+            thread.join()
+        if "error" in result:
+            raise result["error"]
+        return json.loads(result["body"])
+
+    def _request(self, route: str, payload: dict | None = None, what: str | None = None) -> dict:
         data = None if payload is None else json.dumps(payload).encode()
         request = urllib.request.Request(self.url + route, data=data, headers={"Content-Type": "application/json"})
-        reason = ""
+        what = what or route
+        reason, answered = "", False
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return json.loads(response.read())
+                return self._open(request, what)
             except urllib.error.HTTPError as error:
                 body = error.read().decode(errors="replace")
                 if error.code not in RETRYABLE_STATUS:
@@ -82,9 +111,18 @@ class RemoteReward:
                     except (ValueError, KeyError, TypeError):
                         pass
                     raise RuntimeError(f"server {self.url} answered {error.code}: {body}") from None
-                reason = f"HTTP {error.code}"
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
-                reason = str(getattr(error, "reason", error))
+                reason, answered = f"HTTP {error.code}", True
+            except (TimeoutError, socket.timeout) as error:
+                reason, answered = f"no answer within {self.timeout:g} s ({error})", True
+            except (urllib.error.URLError, ConnectionError) as error:
+                cause = getattr(error, "reason", error)
+                if isinstance(cause, (TimeoutError, socket.timeout)):
+                    reason, answered = f"no answer within {self.timeout:g} s", True
+                else:
+                    reason = str(cause)
+        if answered or self.reached:
+            raise UserError(f"reward server {self.url} did not answer {what} ({reason}) after {self.retries + 1} "
+                            f"tries; it is running but stuck or too slow (raise timeout=)")
         raise UserError(f"reward server {self.url} is not reachable ({reason}) after {self.retries + 1} tries; "
                         f"start it with `python -m rewards.server --reward NAME --port PORT`")
 
@@ -93,7 +131,8 @@ class RemoteReward:
         step = len(prompts) if self.groupwise else self.batch_size
         scores = []
         for start in range(0, len(prompts), max(step, 1)):
-            answer = self._request("/score", {"prompts": list(prompts[start:start + step]),
-                                              "images": encode_images(images[start:start + step])})
+            chunk = list(prompts[start:start + step])
+            answer = self._request("/score", {"prompts": chunk, "images": encode_images(images[start:start + step])},
+                                   what=f"/score ({len(chunk)} images)")
             scores += answer["scores"]
         return scores

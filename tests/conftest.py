@@ -51,3 +51,35 @@ def read_metrics(output_dir) -> list[dict]:
 
 ACCELERATE_2CPU = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                    "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+
+
+def ode_sample(adapter, cond, num_steps, seeds, guidance):
+    """Euler-ODE samples x0 of `cond` at the given noise seeds (common.sampling.sample, as evaluation runs it)."""
+    from common.sampling import sample, sample_generators
+
+    return sample(lambda x, sigma: adapter.velocity(x, sigma, cond, guidance),
+                  adapter.noise(sample_generators(seeds, "cpu")), adapter.sigmas(num_steps), "ode")
+
+
+def sde_trajectory(adapter, cond, sigmas, seeds, dynamics, noise_level, guidance, steps=None, keep_means=False):
+    """The GRPO scripts' rollout loop over `steps` (default all): x_{j+1} = sde_step(x_j). Returns the stacked
+    x_j, x_{j+1} and log p(x_{j+1} | x_j) of those steps, shaped (batch, steps, ...), and μ_j with keep_means."""
+    import torch
+
+    from common.dynamics import sde_step
+    from common.sampling import sample_generators
+
+    steps = range(len(sigmas) - 1) if steps is None else steps
+    generators = sample_generators(seeds, "cpu")
+    x, stored = adapter.noise(generators), ([], [], [], [])
+    with torch.no_grad():
+        for j in range(len(sigmas) - 1):
+            v = adapter.velocity(x, sigmas[j], cond, guidance)
+            x_next, log_prob, mean, _ = sde_step(dynamics if j in steps else "ode", v, x, sigmas[j], sigmas[j + 1],
+                                                 noise_level, generator=generators)
+            if j in steps:
+                for values, value in zip(stored, (x, x_next, log_prob, mean)):
+                    values.append(value)
+            x = x_next
+    out = tuple(torch.stack(values, dim=1) for values in stored)
+    return out if keep_means else out[:3]

@@ -14,9 +14,10 @@ from common.cache import PromptEncoder, build_cache, cache_texts, fingerprint_in
 from common.data import Prompt
 from common.dynamics import sde_step
 from common.models import ADAPTERS, load_adapter
-from common.sampling import rollout, sample_generators
+from common.sampling import sample_generators
 from common.training import add_lora
 from common.utils import UserError
+from conftest import ode_sample, sde_trajectory
 
 MODELS = ("sd3", "qwen-image", "wan")
 GUIDANCE = {"sd3": 4.5, "qwen-image": 4.0, "wan": 5.0}  # the references' CFG scales
@@ -72,10 +73,10 @@ def test_ode_rollout_reproduces_the_diffusers_pipeline_with_and_without_cfg(adap
     assert {"negative_prompt_embeds", "prompt_embeds"} <= cond.keys()
     finals = {}
     for guidance in (1.0, GUIDANCE[model]):
-        traj = rollout(adapter, cond, adapter.sigmas(6), sample_generators([3, 4], "cpu"), "ode", 0.0, [], [], guidance)
+        final = ode_sample(adapter, cond, 6, [3, 4], guidance)
         theirs = run_pipeline(model, paths[model], PROMPTS, guidance, 6, [3, 4], "latent")
-        torch.testing.assert_close(traj.final_latents, theirs, rtol=0, atol=2e-5)
-        finals[guidance] = traj.final_latents
+        torch.testing.assert_close(final, theirs, rtol=0, atol=2e-5)
+        finals[guidance] = final
     # CFG moves the result far beyond the tolerance, so the parity above did test the guided path.
     assert (finals[1.0] - finals[GUIDANCE[model]]).abs().max() > 0.05
     images = adapter.decode(finals[GUIDANCE[model]])
@@ -125,14 +126,14 @@ def test_ratio_is_exactly_one_with_cfg(adapters, model):
     adapter = adapters[model]
     cond = PromptEncoder(adapter)(PROMPTS * 2)
     sigmas = adapter.sigmas(5)
-    traj = rollout(adapter, cond, sigmas, sample_generators(range(4), "cpu"), "flow-sde", 0.7, range(5), range(4),
-                   GUIDANCE[model])
-    assert traj.log_probs.shape == (4, 4) and torch.isfinite(traj.log_probs).all()
-    for i, j in enumerate(traj.steps):
-        v = adapter.velocity(traj.latents[:, i], sigmas[j], cond, GUIDANCE[model])
-        _, log_prob, _, _ = sde_step("flow-sde", v, traj.latents[:, i], sigmas[j], sigmas[j + 1], 0.7,
-                                     prev_sample=traj.next_latents[:, i])
-        assert (torch.exp(log_prob - traj.log_probs[:, i]) - 1).abs().max() < 1e-6
+    latents, next_latents, log_probs = sde_trajectory(adapter, cond, sigmas, range(4), "flow-sde", 0.7,
+                                                      GUIDANCE[model], steps=range(4))
+    assert log_probs.shape == (4, 4) and torch.isfinite(log_probs).all()
+    for j in range(4):
+        v = adapter.velocity(latents[:, j], sigmas[j], cond, GUIDANCE[model])
+        _, log_prob, _, _ = sde_step("flow-sde", v, latents[:, j], sigmas[j], sigmas[j + 1], 0.7,
+                                     prev_sample=next_latents[:, j])
+        assert (torch.exp(log_prob - log_probs[:, j]) - 1).abs().max() < 1e-6
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -148,8 +149,7 @@ def test_saved_lora_loads_into_the_pipeline_and_reproduces_our_model(paths, mode
             if "lora_B" in name:
                 param.copy_(0.05 * torch.randn(param.shape, generator=generator))
     adapter.save_lora(tmp_path, get_peft_model_state_dict(adapter.transformer))
-    ours = rollout(adapter, cond, adapter.sigmas(4), sample_generators([1, 2], "cpu"), "ode", 0.0, [], [],
-                   GUIDANCE[model]).final_latents
+    ours = ode_sample(adapter, cond, 4, [1, 2], GUIDANCE[model])
     base = run_pipeline(model, paths[model], PROMPTS, GUIDANCE[model], 4, [1, 2], "latent")
     theirs = run_pipeline(model, paths[model], PROMPTS, GUIDANCE[model], 4, [1, 2], "latent", lora=tmp_path)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-5)

@@ -64,3 +64,13 @@ def test_two_processes_gather_the_whole_epoch(tmp_path):
     got = np.concatenate([np.load(tmp_path / f"adv_{rank}.npy") for rank in range(2)])
     expected = numpy_advantages(values, [1.0, 0.5], ids, "sum", True, 5.0)
     np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_group_members_and_best_worst_pairs():
+    from common.advantages import best_worst_pairs, group_members
+
+    ids = torch.tensor([7, 3, 7, 3, 9, 9])
+    advantages = torch.tensor([0.5, -1.0, -0.5, 1.0, 0.0, 0.0], dtype=torch.float64)
+    members = group_members(ids)
+    assert {g: m.tolist() for g, m in members.items()} == {3: [1, 3], 7: [0, 2], 9: [4, 5]}
+    assert sorted(best_worst_pairs(advantages, ids)) == [(0, 2), (3, 1)]  # group 9 ties: no pair

@@ -64,7 +64,7 @@ def test_on_policy_ratio_is_one_and_the_gradient_is_that_of_mean_a_logp(weightin
     log_prob = awm.matching_log_prob(v, target, sigma, weighting)
     loss, ratio = awm.clipped_policy_loss(log_prob, log_prob.detach(), adv.double(), clip_range=1.0)
     assert torch.equal(ratio, torch.ones_like(ratio))
-    loss.backward()
+    loss.mean().backward()
     # Independent gradient of −mean_b(A_b·logp_b) = mean_b(A_b·w(ℓ_b)): A_b·w'(ℓ_b)·2(v − t)/n / B.
     diff = v.detach().double().numpy() - target.double().numpy()
     n, s = diff[0].size, sigma.double().numpy()
@@ -78,6 +78,7 @@ def test_clip_stops_the_gradient_of_samples_whose_ratio_left_the_range():
     log_prob = torch.tensor([0.5, 0.5, -0.5, -0.5], dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
     loss, ratio = awm.clipped_policy_loss(log_prob, log_prob_old, adv, clip_range=0.2)
+    loss = loss.mean()
     loss.backward()
     r = np.exp([0.5, 0.5, -0.5, -0.5])
     a = np.array([1.0, -1.0, 1.0, -1.0])
@@ -179,7 +180,7 @@ def _error_of(*args):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--weighting", "cubic"], "unknown --weighting 'cubic'; choose one of: uniform, t, t2, huber, ghuber"),
+    (["--weighting", "cubic"], "'--weighting'. Expected one of ('ghuber', 'uniform', 't', 't2', 'huber')"),
     (["--train-timesteps", "9"], "--train-timesteps 9 exceeds the 6 rollout steps that discrete may pick"),
     (["--clip-range", "0"], "--clip-range must be positive (inf: no clip)"),
 ])

@@ -61,3 +61,22 @@ def test_shard_covers_everything_once():
     assert sorted(i for p in parts for i in range(12)[p]) == list(range(12))
     with pytest.raises(UserError, match="do not split evenly over 5 processes"):
         shard(12, 0, 5)
+
+
+def test_whole_group_draw_keeps_each_group_on_one_process():
+    draw = epoch_draw(20, prompts_per_epoch=4, group_size=3, seed=1, epoch=2, whole_groups=True)
+    assert sorted(draw.tolist()) == sorted(epoch_draw(20, 4, 3, seed=1, epoch=2).tolist())  # same prompts
+    for rank in range(2):  # 2 processes × 2 groups each
+        part = draw[shard(12, rank, 2)]
+        assert all((part == p).sum() == 3 for p in set(part.tolist()))
+
+
+def test_both_txt_and_jsonl_and_non_utf8_are_refused(tmp_path):
+    (tmp_path / "train.txt").write_text("a cat\n")
+    (tmp_path / "train.jsonl").write_text('{"prompt": "a cat"}\n')
+    with pytest.raises(UserError, match="has both train.jsonl and train.txt: keep one"):
+        load_prompts(tmp_path, "train")
+    (tmp_path / "train.jsonl").unlink()
+    (tmp_path / "train.txt").write_bytes(b"a cat\n\xff dog\n")
+    with pytest.raises(UserError, match=r"train.txt:2: not UTF-8 text \(byte 0xff at column 1\)"):
+        load_prompts(tmp_path, "train")

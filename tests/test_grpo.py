@@ -55,7 +55,8 @@ def test_ratio_is_exactly_one_before_the_first_update(two_epoch_run, tmp_path):
     run_script("algos/grpo.py", *FAST, "--sde-window-size", "2", "--sde-window-range", "1", "5",
                "--output-dir", tmp_path)
     metrics = read_metrics(tmp_path)
-    assert all(m["ratio_dev_first"] < 1e-6 for m in metrics) and metrics[1]["clipfrac"] >= 0
+    # exactly 1 before each epoch's first update; after it (the epoch's second update) θ has moved
+    assert all(m["ratio_dev_first"] < 1e-6 for m in metrics) and all(m["approx_kl"] > 0 for m in metrics)
 
 
 def test_reward_rises_on_tiny_flux(tmp_path):
@@ -75,7 +76,7 @@ def test_full_finetune_with_kl_and_ema_saves_loadable_weights(tmp_path, tiny_flu
     run_script("algos/grpo.py", *FAST, "--full-finetune", "--learning-rate", "1e-3", "--kl-beta", "0.01", "--ema",
                "--output-dir", tmp_path)
     metrics = read_metrics(tmp_path)
-    assert metrics[0]["kl"] >= 0 and metrics[1]["kl"] > 0
+    assert metrics[0]["kl"] > 0 and metrics[1]["kl"] > 0  # 0 in the first update (θ = ref), > 0 in the second
     trained = FluxTransformer2DModel.from_pretrained(tmp_path / "checkpoints" / "epoch_000001" / "transformer")
     base = FluxTransformer2DModel.from_pretrained(tiny_flux_path / "transformer")
     assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), base.parameters()))
@@ -127,14 +128,17 @@ def _error_of(*args, **kwargs):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--model", "sd9"], "unknown model 'sd9'; choose one of: flux1"),
+    (["--model", "sd9"], "invalid choice 'sd9' for argument '--model'. Expected one of ('flux1', 'sd3'"),
     (["--reward", "beauty"], "unknown reward 'beauty'; choose from: aesthetic, clip, jpeg_compressibility"),
-    (["--dynamics", "langevin"], "unknown dynamics 'langevin'; choose one of: flow-sde, dance-sde, cps"),
-    (["--dynamics", "ode"], "--dynamics ode cannot be used with GRPO: the ODE step is deterministic"),
+    (["--dynamics", "langevin"], "'--dynamics'. Expected one of ('flow-sde', 'dance-sde', 'cps')"),
+    (["--dynamics", "ode"], "invalid choice 'ode' for argument '--dynamics'"),
     (["--dataset", "/nonexistent/prompts"], "dataset folder '/nonexistent/prompts' does not exist"),
     (["--resolution", "72"], "resolution 72 is not a positive multiple of 16"),
     (["--preset", "huge"], "unknown preset 'huge'; choose one of: none, tiny"),
-    (["--batch-size", "3"], "are not a multiple of --batch-size 3"),
+    (["--group-size", "0"], "--group-size must be at least 2 (advantages compare a sample with its group), got 0"),
+    (["--learning-rate", "-1"], "--learning-rate must be positive, got -1.0"),
+    (["--max-sequence-length", "0"], "--max-sequence-length must be at least 1, got 0"),
+    (["--epochs", "0"], "--epochs must be at least 1, got 0"),
 ])
 def test_bad_input_gives_one_line_error(tmp_path, flags, message):
     assert message in _error_of(*TINY, "--epochs", "1", "--output-dir", tmp_path / "out", *flags)
@@ -176,8 +180,43 @@ def test_memory_switches_leave_the_results_unchanged(two_epoch_run, tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-9), key
 
 
-def test_track_logs_the_metrics_to_wandb_offline(tmp_path):
-    run_script("algos/grpo.py", *FAST, "--epochs", "1", "--track", "--output-dir", tmp_path / "out",
-               env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
-    (run,) = list((tmp_path / "wandb").glob("offline-run-*"))
+def test_track_logs_the_metrics_to_wandb_offline_under_the_output_dir(tmp_path):
+    run_script("algos/grpo.py", *FAST, "--epochs", "1", "--track", "wandb", "--output-dir", tmp_path / "out",
+               env={"WANDB_MODE": "offline"})
+    (run,) = list((tmp_path / "out" / "wandb").glob("offline-run-*"))
     assert list(run.glob("run-*.wandb")) and read_metrics(tmp_path / "out")[0]["epoch"] == 0
+    assert not (REPO / "wandb").exists() or not any((REPO / "wandb").glob(f"*{run.name[-8:]}*"))
+
+
+def test_track_tensorboard_writes_events_and_the_eval_grid_under_the_output_dir(tmp_path):
+    run_script("algos/grpo.py", *FAST, "--track", "tensorboard", "--output-dir", tmp_path)
+    events = list(tmp_path.rglob("events.out.tfevents.*"))
+    assert events and all(tmp_path in e.parents for e in events)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(events[0].parent), size_guidance={"images": 0})
+    accumulator.Reload()
+    assert "reward_mean" in accumulator.Tags()["scalars"] and "eval/samples" in accumulator.Tags()["images"]
+
+
+def test_warmup_cosine_schedule_resumes_exactly(tmp_path):
+    """A run killed after epoch 3 (its folder as the kill leaves it: checkpoint epoch_000002, one more metrics line)
+    resumes into the same learning rates and metrics as the uninterrupted run."""
+    import shutil
+
+    args = TINY + ["--epochs", "6", "--eval-every", "0", "--lr-schedule", "cosine", "--lr-warmup-steps", "3",
+                   "--save-every", "3"]
+    run_script("algos/grpo.py", *args, "--output-dir", tmp_path / "full")
+    killed = tmp_path / "killed"
+    shutil.copytree(tmp_path / "full", killed)
+    shutil.rmtree(killed / "checkpoints" / "epoch_000005")
+    (killed / "checkpoints" / "latest").write_text("epoch_000002")
+    lines = (killed / "metrics.jsonl").read_text().splitlines()
+    (killed / "metrics.jsonl").write_text("\n".join(lines[:4]) + "\n")
+    run_script("algos/grpo.py", *args, "--output-dir", killed, "--resume")
+    full, resumed = read_metrics(tmp_path / "full"), read_metrics(killed)
+    lrs = [m["lr"] for m in full]
+    # 2 optimizer steps per epoch: warm-up over steps 1–3, then cosine decay to 0 at step 12
+    assert lrs[0] == pytest.approx(3e-2 * 2 / 3) and lrs[1] > lrs[2] > lrs[-1] and lrs[-1] == pytest.approx(0, abs=1e-12)
+    strip = lambda ms: [{k: v for k, v in m.items() if k not in TIME_KEYS} for m in ms]  # noqa: E731
+    assert strip(resumed) == strip(full)

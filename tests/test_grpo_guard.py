@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import torch
-from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script
+from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script, sde_trajectory
 
 
 def load_script(name):
@@ -27,7 +27,6 @@ def gaussian_log_prob64(x, mean, std):
 def test_regulated_ratio_matches_float64_on_tiny_flux(tiny_flux_path):
     from common.dynamics import sde_step
     from common.models import load_adapter
-    from common.sampling import rollout, sample_generators
     from common.training import add_lora
 
     torch.manual_seed(0)
@@ -36,14 +35,14 @@ def test_regulated_ratio_matches_float64_on_tiny_flux(tiny_flux_path):
     sigmas = adapter.sigmas(6)
     cond = adapter.encode_prompts(["a cat", "a dog", "a tree"])
     steps = list(range(5))
-    traj = rollout(adapter, cond, sigmas, sample_generators([1, 2, 3], "cpu"), "flow-sde", 0.8, list(range(6)), steps,
-                   keep_means=True)
+    latents, next_latents, log_probs, means = sde_trajectory(adapter, cond, sigmas, [1, 2, 3], "flow-sde", 0.8, 3.5,
+                                                             keep_means=True)
     with torch.no_grad():  # move θ away from θ_old
         for name, p in adapter.transformer.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
         for i, j in enumerate(steps):
-            x, x_next, mean_old = traj.latents[:, i], traj.next_latents[:, i], traj.means[:, i]
+            x, x_next, mean_old = latents[:, i], next_latents[:, i], means[:, i]
             v = adapter.velocity(x, sigmas[j], cond)
             _, log_prob, mean, std = sde_step("flow-sde", v, x, sigmas[j], sigmas[j + 1], 0.8, prev_sample=x_next)
             ours = guard.regulated_log_ratio(x_next, mean, mean_old, std).double().numpy()
@@ -62,7 +61,7 @@ def test_regulated_ratio_matches_float64_on_tiny_flux(tiny_flux_path):
             np.testing.assert_allclose(ours, z_form, rtol=1e-4, atol=1e-8)
             # the rollout noise is standard normal, and the raw ratio sits below the regulated one on average
             assert abs(z.std() - 1) < 0.1
-            raw = log_prob.double().numpy() - traj.log_probs[:, i].double().numpy()
+            raw = log_prob.double().numpy() - log_probs[:, i].double().numpy()
             np.testing.assert_allclose(raw, z_form / s - m / (2 * s * s), rtol=1e-3, atol=1e-6)
 
 

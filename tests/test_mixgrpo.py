@@ -108,62 +108,53 @@ def test_flash_schedule_is_the_shifted_linspace_tail(adapter, num_steps, last):
     np.testing.assert_allclose(flash[last + 1:].double().numpy(), expected, rtol=0, atol=1e-6)
 
 
-def count_calls(adapter):
-    calls = []
-    original = adapter.velocity
-
-    def velocity(latents, sigma, *rest, **kwargs):
-        calls.append(float(torch.as_tensor(sigma).flatten()[0]))
-        return original(latents, sigma, *rest, **kwargs)
-
-    adapter.velocity = velocity
-    return calls, lambda: setattr(adapter, "velocity", original)
-
-
 def test_sde_only_in_the_window_and_flash_uses_fewer_transformer_calls(adapter):
-    from common.sampling import rollout, sample_generators
+    from common.sampling import sample_generators
 
     num_steps, window = 12, [3, 4, 5, 6]
     sigmas = adapter.sigmas(num_steps)
     cond = adapter.encode_prompts(["a cat", "a dog"])
-    gens = lambda: sample_generators([11, 12], "cpu")  # noqa: E731
-    calls, restore = count_calls(adapter)
-    try:
-        plain = rollout(adapter, cond, sigmas, gens(), "flow-sde", 0.8, window, window)
-        plain_calls = len(calls)
-        calls.clear()
-        flash_sigmas = mix.flash_sigmas(adapter, sigmas, window[-1], 0.4)
-        flash = rollout(adapter, cond, flash_sigmas, gens(), "flow-sde", 0.8, window, window,
-                        solver_from=window[-1] + 1)
-        flash_calls = len(calls)
-    finally:
-        restore()
+    calls = []
+
+    def velocity(x, sigma):
+        calls.append(float(torch.as_tensor(sigma).flatten()[0]))
+        return adapter.velocity(x, sigma, cond)
+
+    def rollout(flash_tail=None, noise=None):
+        generators = sample_generators([11, 12], "cpu")
+        x = adapter.noise(generators) if noise is None else noise
+        return mix.mixed_rollout(velocity, x, generators, sigmas, window, "flow-sde", 0.8, flash_tail)
+
+    plain, plain_steps = rollout()
+    plain_calls = len(calls)
+    calls.clear()
+    flash_sigmas = mix.flash_sigmas(adapter, sigmas, window[-1], 0.4)
+    flash, flash_steps = rollout(flash_sigmas[window[-1] + 1:])
+    flash_calls = len(calls)
     n = max(math.floor((num_steps - window[-1]) * 0.4), 2)
     assert plain_calls == num_steps
     assert flash_calls == window[-1] + 1 + n - 1 == 8 < plain_calls
     # only window steps are stored, with their log-probs
-    assert plain.steps == window and plain.log_probs.shape == (2, len(window))
-    assert torch.isfinite(plain.log_probs).all()
+    assert plain_steps["log_prob_old"].shape == (2, len(window)) and torch.isfinite(plain_steps["log_prob_old"]).all()
     with torch.no_grad():
         # before the window: plain Euler from the same noise (no noise injected)
-        x = adapter.noise(gens())
+        x = adapter.noise(sample_generators([11, 12], "cpu"))
         for j in range(window[0]):
             x = x + (sigmas[j + 1] - sigmas[j]) * adapter.velocity(x, sigmas[j], cond)
-        torch.testing.assert_close(plain.latents[:, 0], x, rtol=0, atol=1e-6)
+        torch.testing.assert_close(plain_steps["x"][:, 0], x, rtol=0, atol=1e-6)
         # after the window: plain Euler from x_{L+1}
-        x = plain.next_latents[:, -1]
+        x = plain_steps["x_next"][:, -1]
         for j in range(window[-1] + 1, num_steps):
             x = x + (sigmas[j + 1] - sigmas[j]) * adapter.velocity(x, sigmas[j], cond)
-        torch.testing.assert_close(plain.final_latents, x, rtol=0, atol=1e-6)
+        torch.testing.assert_close(plain, x, rtol=0, atol=1e-6)
     # the window steps are identical with and without Flash (only the tail differs)
-    torch.testing.assert_close(flash.next_latents, plain.next_latents, rtol=0, atol=0)
-    assert not torch.equal(flash.final_latents, plain.final_latents)
+    torch.testing.assert_close(flash_steps["x_next"], plain_steps["x_next"], rtol=0, atol=0)
+    assert not torch.equal(flash, plain)
     # a group sharing its initial noise (--same-group-noise) is identical up to the window, then spreads
     cond = adapter.encode_prompts(["a cat", "a cat"])
-    shared = adapter.noise(sample_generators([5, 5], "cpu"))
-    group = rollout(adapter, cond, sigmas, gens(), "flow-sde", 0.8, window, window, initial_noise=shared)
-    torch.testing.assert_close(group.latents[0, 0], group.latents[1, 0], rtol=0, atol=0)
-    assert (group.final_latents[0] - group.final_latents[1]).abs().max() > 1e-2
+    group, group_steps = rollout(noise=adapter.noise(sample_generators([5, 5], "cpu")))
+    torch.testing.assert_close(group_steps["x"][0, 0], group_steps["x"][1, 0], rtol=0, atol=0)
+    assert (group[0] - group[1]).abs().max() > 1e-2
 
 
 # ---- the script end to end ----------------------------------------------------------------------------
@@ -203,7 +194,7 @@ def test_bad_flags_give_one_line_errors(tmp_path):
     for flags, needle in [(["--window-schedule", "sliding"], "--window-schedule"), (["--window-size", "4"], "--window-size")]:
         result = run_script("algos/mixgrpo.py", *SMALL, *flags, "--output-dir", tmp_path / "bad", check=False)
         assert result.returncode == 2 and needle in result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1
+        assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error: ")
 
 
 def test_flash_learns_on_tiny_flux(tmp_path):

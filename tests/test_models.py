@@ -6,7 +6,8 @@ from diffusers import FluxPipeline
 
 from common.dynamics import sde_step
 from common.models import load_adapter
-from common.sampling import rollout, sample_generators
+from common.sampling import sample_generators
+from conftest import ode_sample, sde_trajectory
 from common.utils import UserError
 
 
@@ -18,8 +19,7 @@ def adapter(tiny_flux_path):
 def test_ode_rollout_reproduces_the_diffusers_pipeline(adapter, tiny_flux_path):
     prompts = ["a photo of a cat", "a dog"]
     cond = adapter.encode_prompts(prompts)
-    traj = rollout(adapter, cond, adapter.sigmas(6), sample_generators([3, 4], "cpu"), "ode", 0.0, [], [], 3.5)
-    ours = adapter.decode(traj.final_latents)
+    ours = adapter.decode(ode_sample(adapter, cond, 6, [3, 4], 3.5))
     pipe = FluxPipeline.from_pretrained(tiny_flux_path)
     pipe.set_progress_bar_config(disable=True)
     theirs = pipe(prompts, height=64, width=64, num_inference_steps=6, guidance_scale=3.5, max_sequence_length=32,
@@ -37,21 +37,14 @@ def test_ratio_is_exactly_one_before_any_update(adapter, dynamics):
     """Training re-evaluates the stored steps with the same forward and the same batch: ratio == 1."""
     cond = adapter.encode_prompts(["a cat"] * 4)
     sigmas = adapter.sigmas(5)
-    traj = rollout(adapter, cond, sigmas, sample_generators(range(4), "cpu"), dynamics, 0.5, range(5), range(4))
-    assert traj.log_probs.shape == (4, 4) and traj.steps == [0, 1, 2, 3]
-    for i, j in enumerate(traj.steps):
-        v = adapter.velocity(traj.latents[:, i], sigmas[j], cond)
-        _, log_prob, _, _ = sde_step(dynamics, v, traj.latents[:, i], sigmas[j], sigmas[j + 1], 0.5,
-                                     prev_sample=traj.next_latents[:, i])
-        assert (torch.exp(log_prob - traj.log_probs[:, i]) - 1).abs().max() < 1e-6
-
-
-def test_window_rollout_stores_only_window_steps(adapter):
-    cond = adapter.encode_prompts(["a cat"] * 2)
-    traj = rollout(adapter, cond, adapter.sigmas(6), sample_generators([0, 1], "cpu"), "flow-sde", 0.8, [2, 3], [2, 3])
-    assert traj.steps == [2, 3] and traj.latents.shape[1] == 2 and torch.isfinite(traj.log_probs).all()
-    with pytest.raises(ValueError, match="every trained step must be stochastic"):
-        rollout(adapter, cond, adapter.sigmas(6), sample_generators([0, 1], "cpu"), "flow-sde", 0.8, [2], [2, 3])
+    latents, next_latents, log_probs = sde_trajectory(adapter, cond, sigmas, range(4), dynamics, 0.5, 3.5,
+                                                      steps=range(4))
+    assert log_probs.shape == (4, 4)
+    for j in range(4):
+        v = adapter.velocity(latents[:, j], sigmas[j], cond)
+        _, log_prob, _, _ = sde_step(dynamics, v, latents[:, j], sigmas[j], sigmas[j + 1], 0.5,
+                                     prev_sample=next_latents[:, j])
+        assert (torch.exp(log_prob - log_probs[:, j]) - 1).abs().max() < 1e-6
 
 
 def test_bf16_weights_keep_float32_outputs(tiny_flux_path):

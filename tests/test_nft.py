@@ -248,10 +248,10 @@ def _error_of(*args):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--dynamics", "langevin"], "unknown dynamics 'langevin'; choose one of: ode, flow-sde, dance-sde, cps, dpm"),
+    (["--dynamics", "langevin"], "'--dynamics'. Expected one of ('dpm', 'ode', 'flow-sde', 'dance-sde', 'cps')"),
     (["--train-timesteps", "7"], "--train-timesteps 7 exceeds the 6 rollout steps that discrete may pick"),
     (["--preset", "huge"], "unknown preset 'huge'; choose one of: none, tiny, flux1, flux1-ocr"),
-    (["--model", "sd3", "--guidance-scale", "4.5"], "DiffusionNFT is CFG-free: --guidance-scale 4.5 would turn on"),
+    (["--model", "sd3", "--guidance-scale", "4.5"], "nft is CFG-free: --guidance-scale 4.5 would turn on"),
 ])
 def test_bad_input_gives_one_line_error(tmp_path, flags, message):
     assert message in _error_of(*TINY, "--epochs", "1", "--output-dir", tmp_path / "out", *flags)
