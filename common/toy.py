@@ -168,6 +168,111 @@ def render_batch(prompts: list[str], rng: np.random.Generator, resolution: int =
     return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255
 
 
-def toy_model_path() -> Path:
-    """The shipped pretrained toy pipeline (`--model-path toy`)."""
+def toy_model_path(model: str = "flux1") -> Path:
+    """The shipped pretrained toy pipeline (`--model-path toy`); it exists for FLUX.1 only."""
+    if model != "flux1":
+        from common.utils import UserError
+
+        raise UserError(f"--model-path toy is a FLUX.1 pipeline: use it with --model flux1, not {model}")
     return TOY_DIR / "model"
+
+
+# ----- the pipeline ----------------------------------------------------------------------------------------
+# `data/toy/pretrain.py` builds these with a fixed seed, trains the VAE and the transformer, and saves the
+# pipeline. The text encoders stay as initialised: random but frozen, they still map each prompt to a distinct
+# embedding, and the transformer's input projections learn to read it.
+def _toy_bpe_merges(words: list[str]) -> list[tuple[str, str]]:
+    """Byte-pair merges learned on the toy words (most frequent pair first, ties by the pair), until each word is
+    one token. Merges learned this way re-encode every training word into the same single token; chaining each
+    word's letters independently would not, since BPE applies the globally lowest-ranked merge first."""
+    from collections import Counter
+
+    pieces = {word: list(word[:-1]) + [word[-1] + "</w>"] for word in words}
+    merges = []
+    while any(len(p) > 1 for p in pieces.values()):
+        pairs = Counter(pair for p in pieces.values() for pair in zip(p, p[1:]))
+        best = min(pairs, key=lambda pair: (-pairs[pair], pair))
+        merges.append(best)
+        for word, p in pieces.items():
+            merged, i = [], 0
+            while i < len(p):
+                if i + 1 < len(p) and (p[i], p[i + 1]) == best:
+                    merged.append(p[i] + p[i + 1])
+                    i += 2
+                else:
+                    merged.append(p[i])
+                    i += 1
+            pieces[word] = merged
+    return merges
+
+
+def toy_clip_tokenizer():
+    """A CLIP BPE tokenizer in which each toy word is one token (other text falls back to characters)."""
+    from transformers import CLIPTokenizer
+
+    from common.tiny import _characters
+
+    merges = _toy_bpe_merges(sorted(toy_words()))
+    pieces = ["<|startoftext|>", "<|endoftext|>"] + _characters() + [c + "</w>" for c in _characters()]
+    pieces += [a + b for a, b in merges if a + b not in pieces]
+    return CLIPTokenizer(vocab={p: i for i, p in enumerate(pieces)}, merges=merges,
+                         model_max_length=MAX_SEQUENCE_LENGTH)
+
+
+def toy_t5_tokenizer():
+    """A unigram T5 tokenizer (ids 0/1/2 = pad/eos/unk) in which each toy word is one piece: whole words score
+    higher than their spelling in characters, which remain as a fallback for other text."""
+    from transformers import T5Tokenizer
+
+    from common.tiny import _characters
+
+    vocab = {"<pad>": 0.0, "</s>": 0.0, "<unk>": 0.0, "▁": -2.0}
+    vocab.update({"▁" + word: -1.0 for word in sorted(toy_words())})
+    for c in _characters():
+        vocab.setdefault("▁" + c, -2.5)
+        vocab.setdefault(c, -3.0)
+    return T5Tokenizer(vocab=list(vocab.items()), extra_ids=0, model_max_length=MAX_SEQUENCE_LENGTH)
+
+
+def build_toy_pipeline(seed: int = 0):
+    """A randomly initialised FLUX.1 pipeline at toy sizes (seeded): ~0.46M-parameter transformer, ~0.16M VAE.
+
+    The shapes follow FLUX.1's constraints: in_channels = 4 × latent channels (2×2 packing), the rotary axes
+    sum to the head dimension, the pooled projection reads the CLIP width and the joint attention the T5 width.
+    The VAE has two blocks, so it downsamples 2× (32×32 images -> 16×16 latents -> 64 packed tokens) and the
+    pipeline needs sides divisible by 2 × 2 = 4. No guidance embedding: the toy model is not distilled."""
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    tokenizer, tokenizer_2 = toy_clip_tokenizer(), toy_t5_tokenizer()
+    torch.manual_seed(seed)
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=MAX_SEQUENCE_LENGTH, projection_dim=32,
+        # The pooled output is read at the first EOS: the config must name the tokenizer's EOS id.
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    ))
+    text_encoder_2 = T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer_2), d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
+        relative_attention_num_buckets=8,
+    ))
+    # scaling_factor / shift_factor are placeholders: pretrain.py sets them from the trained encoder's latents.
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=8,
+        down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+        block_out_channels=[16, 32], layers_per_block=1, mid_block_add_attention=False,
+        scaling_factor=1.0, shift_factor=0.0, use_quant_conv=False, use_post_quant_conv=False,
+    )
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=4 * 4, num_layers=2, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=False,
+        axes_dims_rope=(4, 6, 6),
+    )
+    # FLUX.1's resolution-dependent shift, rescaled to toy sizes: 64 tokens (32×32) get the base shift.
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=64, max_image_seq_len=1024,
+    )
+    return FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer)

@@ -36,6 +36,7 @@ from rewards.clip import Aesthetic, ClipScore, PickScore, PickScoreRank
 from rewards.jpeg import jpeg_compressibility, jpeg_incompressibility
 from rewards.ocr import OcrReward
 from rewards.remote import RemoteReward
+from rewards.toy import ToyReward
 
 
 @dataclass
@@ -57,6 +58,7 @@ REWARDS = {
     "jpeg_compressibility": (lambda device, dtype: jpeg_compressibility, False),
     "jpeg_incompressibility": (lambda device, dtype: jpeg_incompressibility, False),
     "remote": (RemoteReward, False),
+    "toy": (ToyReward, False),
 }
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
