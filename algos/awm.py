@@ -79,10 +79,12 @@ class Args(TrainArgs):
 
 PRESETS = {
     # The embedded tiny FLUX.1 on a CPU: a ~80k-parameter model needs ~100× the papers' lr (docs/tiny-models.md).
-    # 6 rollout steps, 5 trained σ's and no KL to the reference keep an epoch at ~0.3 s.
+    # 6 rollout steps, 5 trained σ's and no KL to the reference keep an epoch at ~0.3 s. Uniform weighting: at this
+    # lr the JPEG reward rose by +0.73/+0.60/+0.88 kB over seeds 1–3 in 50 epochs, ghuber by +0.27/+0.17/+0.81.
     "tiny": dict(model_path="tiny", resolution=64, max_sequence_length=32, epochs=50, prompts_per_epoch=2,
                  group_size=8, batch_size=8, num_steps=6, train_timesteps=5, learning_rate=5e-2, lora_rank=8,
-                 lora_alpha=8, kl_beta=0.0, global_std=False, eval_every=25, eval_num_prompts=8, save_every=25),
+                 lora_alpha=8, weighting="uniform", kl_beta=0.0, global_std=False, eval_every=25, eval_num_prompts=8,
+                 save_every=25),
     # AWM's PickScore setting on FLUX.1-dev (the paper's LoRA r32/α64, 14 rollout steps, 6 `discrete` σ's over the
     # noisiest 90%, ghuber, KL 1e-4): deterministic rollouts.
     "flux1": dict(reward=["pickscore"], resolution=512, num_steps=14, eval_num_steps=28, train_timesteps=6,
@@ -250,7 +252,7 @@ if __name__ == "__main__":
                                                              "train_time_s": time.time() - train_start})
         metrics.update(ratio_dev_max=float(run.accelerator.reduce(ratio_dev.float(), "max")),
                        zero_std_frac=adv_stats["zero_std_frac"], dropped_frac=float(1 - keep.float().mean()),
-                       adv_abs_mean=float(advantages.abs().mean()), **({"ema_decay": decay} if ema is not None else {}))
+                       adv_abs_mean=float(run.accelerator.reduce(advantages.abs().mean(), "mean")), **({"ema_decay": decay} if ema is not None else {}))
         metrics.update(evaluate(run, epoch))
         metrics["epoch_time_s"] = time.time() - epoch_start
         log_epoch(run, metrics, ["epoch", "reward_mean", "reward_std", "eval_reward_mean", "loss", "ema_kl",

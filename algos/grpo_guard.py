@@ -166,7 +166,7 @@ if __name__ == "__main__":
                                                              "train_time_s": time.time() - train_start})
         metrics.update(ratio_dev_first=float(run.accelerator.reduce(ratio_dev_first, "max")),
                        zero_std_frac=adv_stats["zero_std_frac"], dropped_frac=float(1 - keep.float().mean()),
-                       adv_abs_mean=float(advantages.abs().mean()))
+                       adv_abs_mean=float(run.accelerator.reduce(advantages.abs().mean(), "mean")))
         metrics.update(evaluate(run, epoch))
         metrics["epoch_time_s"] = time.time() - epoch_start
         log_epoch(run, metrics, ["epoch", "reward_mean", "reward_std", "eval_reward_mean", "loss", "clipfrac",

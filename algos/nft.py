@@ -209,7 +209,7 @@ if __name__ == "__main__":
                                                              "reward_time_s": reward_time,
                                                              "train_time_s": time.time() - train_start})
         metrics.update(old_decay=decay, zero_std_frac=adv_stats["zero_std_frac"],
-                       adv_abs_mean=float(advantages.abs().mean()))
+                       adv_abs_mean=float(run.accelerator.reduce(advantages.abs().mean(), "mean")))
         metrics.update(evaluate(run, epoch))
         metrics["epoch_time_s"] = time.time() - epoch_start
         log_epoch(run, metrics, ["epoch", "reward_mean", "reward_std", "eval_reward_mean", "loss", "kl", "old_v_mse",

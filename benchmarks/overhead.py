@@ -10,8 +10,9 @@ from dataclasses import dataclass
 import torch
 import tyro
 
+from common.dynamics import sde_step
 from common.models import load_adapter
-from common.sampling import rollout, sample_generators
+from common.sampling import sample, sample_generators
 from common.utils import quiet_libraries, resolve_dtype
 
 
@@ -31,6 +32,18 @@ class Args:
     """T5 prompt length"""
     dtype: str = "auto"
     """model dtype (auto: bf16 on GPU, float32 on CPU)"""
+
+
+def grpo_rollout(adapter, cond, sigmas, generators):
+    """algos/grpo.py's rollout loop: flow-sde at every step, x_j, x_{j+1} and log p of all but the last kept."""
+    x, stored = adapter.noise(generators), []
+    for j in range(len(sigmas) - 1):
+        v = adapter.velocity(x, sigmas[j], cond, 3.5)
+        x_next, log_prob, _, _ = sde_step("flow-sde", v, x, sigmas[j], sigmas[j + 1], 0.9, generator=generators)
+        if j < len(sigmas) - 2:
+            stored.append((x, x_next, log_prob))
+        x = x_next
+    return x, stored
 
 
 def timed(fn, device) -> float:
@@ -54,7 +67,6 @@ if __name__ == "__main__":
         cond = adapter.encode_prompts(["a photo of a cat"] * args.batch_size)
     sigmas = adapter.sigmas(args.num_steps)
     seeds = list(range(args.batch_size))
-    steps = list(range(args.num_steps))
     latents = adapter.noise(sample_generators(seeds, device))
 
     variants = {
@@ -62,9 +74,10 @@ if __name__ == "__main__":
             prompt_embeds=cond["prompt_embeds"], pooled_prompt_embeds=cond["pooled_prompt_embeds"],
             height=args.resolution, width=args.resolution, num_inference_steps=args.num_steps, guidance_scale=3.5,
             generator=sample_generators(seeds, device), output_type="latent", max_sequence_length=args.max_sequence_length),
-        "ours: ODE rollout": lambda: rollout(adapter, cond, sigmas, sample_generators(seeds, device), "ode", 0.0, [], []),
-        "ours: flow-sde rollout, log-probs of all steps stored": lambda: rollout(
-            adapter, cond, sigmas, sample_generators(seeds, device), "flow-sde", 0.9, steps, steps[:-1]),
+        "ours: ODE rollout": lambda: sample(lambda x, sigma: adapter.velocity(x, sigma, cond, 3.5),
+                                            adapter.noise(sample_generators(seeds, device)), sigmas, "ode"),
+        "ours: flow-sde rollout, log-probs of all steps stored": lambda: grpo_rollout(
+            adapter, cond, sigmas, sample_generators(seeds, device)),
         "floor: the transformer calls alone": lambda: [adapter.velocity(latents, float(s), cond) for s in sigmas[:-1]],
     }
     with torch.no_grad():

@@ -115,7 +115,7 @@ def read_checkpoint(folder: Path, full_finetune: bool, process_index: int) -> Ch
         except FileNotFoundError:
             raise CheckpointError(f"{what} is missing") from None
         except Exception as err:  # truncated or corrupt files raise many kinds of errors
-            raise CheckpointError(f"{what} does not load ({type(err).__name__})") from None
+            raise CheckpointError(f"{what} does not load") from None
 
     meta = read("meta.json", lambda: json.loads((folder / "meta.json").read_text()))
     if not isinstance(meta, dict) or "epoch" not in meta:

@@ -4,7 +4,8 @@ DPM-Solver++ (Lu et al., arXiv:2211.01095) integrates the probability-flow ODE o
 x̂0 = x − σ·v with α = 1 − σ (flow matching); the 2M variant reuses the previous step's x̂0, so it is
 second order at one model call per step. We run diffusers' `DPMSolverMultistepScheduler` in its
 flow-matching mode. Its `set_timesteps` builds its own σ list and takes no `sigmas=`, so the caller's
-list is written over `scheduler.sigmas`/`timesteps` after `set_timesteps` (environment.md). The final
+list is written over `scheduler.sigmas`/`timesteps` after `set_timesteps` (checked against a hand-written
+DPM-Solver++ 2M to 2e-5, tests/test_solvers.py). The final
 step (σ' = 0) is first order: it returns x̂0, as in diffusers (`final_sigmas_type="zero"`).
 
 Used by MixGRPO-Flash for the compressed tail of its rollouts (arXiv:2507.21802) and available to any

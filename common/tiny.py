@@ -262,7 +262,10 @@ def tiny_model_path(model: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
-        TINY_BUILDERS[model](tmp)
+        # The builders seed torch's global RNG: fork it, or a run that builds the model would draw its LoRA init
+        # and noise from another state than a run that finds it built.
+        with torch.random.fork_rng(devices=[]):
+            TINY_BUILDERS[model](tmp)
         try:
             os.rename(tmp, path)  # atomic; fails if another process won the race
         except OSError:

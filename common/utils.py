@@ -18,17 +18,36 @@ class RunStopped(UserError):
     exit_code = 3
 
 
+def _first_report(message: str) -> bool:
+    """Whether this process is the first of its launch to report `message`: under torchrun / `accelerate launch`
+    every process usually meets the same bad input, and the line should reach the terminal once. The processes of
+    a launch share TORCHELASTIC_RUN_ID; the first to create the message's marker file reports it."""
+    import hashlib
+    import tempfile
+
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None or os.environ.get("WORLD_SIZE", "1") == "1":
+        return True
+    key = hashlib.sha256(f"{run_id}\0{message}".encode()).hexdigest()[:20]
+    try:
+        os.close(os.open(os.path.join(tempfile.gettempdir(), f"flowrl-error-{key}"), os.O_CREAT | os.O_EXCL))
+        return True
+    except FileExistsError:
+        return False
+
+
 def install_user_error_hook() -> None:
     """Print a UserError as one `error: ...` line instead of a traceback, and exit with its status.
 
-    The line goes to the process's real stderr, from process 0 only: under `accelerate launch` / torchrun,
-    torch.distributed wraps sys.excepthook and captures what the hook writes to sys.stderr into a buffer that it
-    prints only if the hook returns, which sys.exit never does; that is how these lines used to vanish."""
+    The line goes to the process's real stderr, once per launch (whichever process meets the error first): under
+    `accelerate launch` / torchrun, torch.distributed wraps sys.excepthook and captures what the hook writes to
+    sys.stderr into a buffer that it prints only if the hook returns, which sys.exit never does; that is how these
+    lines used to vanish."""
     previous = sys.excepthook
 
     def hook(kind, value, traceback):
         if issubclass(kind, UserError):
-            if os.environ.get("RANK", "0") == "0":
+            if _first_report(str(value)):
                 sys.__stderr__.write(f"error: {value}\n")
                 sys.__stderr__.flush()
             sys.exit(value.exit_code)

@@ -1,5 +1,5 @@
 """Rewards by name. `--reward SPEC` may be given several times; the weighted scores are combined by the
-advantage aggregation (common/advantages.py). Normalisations: ../shared/docs/algorithms.md §6; README.
+advantage aggregation (common/advantages.py). Normalisations: docs/algorithms.md §6; docs/rewards.md.
 
 SPEC is one of
     NAME[:WEIGHT][,KEY=VALUE...]            a reward of this package, e.g. `pickscore:1.0`, `ocr,engine=tesseract`

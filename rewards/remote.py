@@ -68,7 +68,7 @@ class RemoteReward:
                             "integers") from None
         self.url, self.reached = url.rstrip("/"), False
         info = self._request("/info")
-        self.reached = True  # from now on a failure is a stuck server, not an unreachable one
+        self.reached = True  # from now on a refused connection means the server went down
         self.name, self.groupwise = str(info["name"]), bool(info["groupwise"])
 
     def _open(self, request, what: str):
@@ -120,11 +120,12 @@ class RemoteReward:
                     reason, answered = f"no answer within {self.timeout:g} s", True
                 else:
                     reason = str(cause)
-        if answered or self.reached:
+        if answered:  # it accepted the connection: running, but stuck or too slow
             raise UserError(f"reward server {self.url} did not answer {what} ({reason}) after {self.retries + 1} "
                             f"tries; it is running but stuck or too slow (raise timeout=)")
-        raise UserError(f"reward server {self.url} is not reachable ({reason}) after {self.retries + 1} tries; "
-                        f"start it with `python -m rewards.server --reward NAME --port PORT`")
+        hint = ("it answered earlier in this run, so it has stopped; restart it" if self.reached else
+                "start it with `python -m rewards.server --reward NAME --port PORT`")
+        raise UserError(f"reward server {self.url} is not reachable ({reason}) after {self.retries + 1} tries; {hint}")
 
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> list[float]:
         # A groupwise reward must see its whole group in one request.

@@ -29,15 +29,27 @@ def tiny_flux_path():
 
 def run_script(script: str, *args, check: bool = True, timeout: float = 600, launcher=None, env=None):
     """Run `algos/<script>` (or any repo-relative script) in a subprocess; returns CompletedProcess."""
+    import shutil
+
     command = (launcher or [sys.executable]) + [str(REPO / script), *map(str, args)]
+    args = list(map(str, args))
+    output = Path(args[args.index("--output-dir") + 1]) if "--output-dir" in args else None
+    backup = None
+    if launcher and output is not None and output.is_dir():  # to retry from the same folder (below)
+        backup = Path(tempfile.mkdtemp(prefix="flowrl-retry-")) / "out"
+        shutil.copytree(output, backup)
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                             env={**os.environ, **(env or {})})
     if launcher and result.returncode != 0 and "terminate called without an active exception" in result.stderr:
         # gloo on CPU now and then aborts a process's exit in C++ static destructors, after the work is done.
         # A training script that got as far as its closing "outputs:" line finished its work: accept it.
-        # Anything else runs once more (a real failure fails again).
+        # Anything else runs once more from the output folder as it was before (a real failure fails again).
         if "outputs: " in result.stdout:
             return subprocess.CompletedProcess(result.args, 0, result.stdout, result.stderr)
+        if output is not None:
+            shutil.rmtree(output, ignore_errors=True)
+            if backup is not None:
+                shutil.copytree(backup, output)
         result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                                 env={**os.environ, **(env or {})})
     if check and result.returncode != 0:

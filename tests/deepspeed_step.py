@@ -69,7 +69,7 @@ class Run:
         else:
             add_lora(self.transformer, 4, 8, self.adapter.lora_target_modules)
         params = trainable_parameters(self.transformer)
-        self.shadow = ShadowPolicy(self.transformer, "old", FULL)  # made before prepare, as in nft.py / awm.py
+        self.shadow = ShadowPolicy(self.adapter, self.transformer, "old", FULL)  # made before prepare, as setup()
         self.optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=1e-4)
         self.deepspeed = deepspeed
         if deepspeed:  # accelerate's DeepSpeed prepare, then the scripts' lines after prepare
@@ -79,7 +79,7 @@ class Run:
             self.adapter.transformer = self.engine
             self.transformer = accelerator.unwrap_model(self.engine)
         self.params = trainable(self.transformer)
-        self.ema = EMA(self.params, 0.5, module=self.transformer)  # made after prepare, as in grpo.py
+        self.ema = EMA(self.params, 0.5, module=self.transformer)  # made after prepare, as setup()
         # micro-steps of one optimizer step: this process's 2 samples one by one, or all 4 in two halves
         self.micro = [[2 * rank], [2 * rank + 1]] if deepspeed else [[0, 2], [1, 3]]
 

@@ -63,14 +63,14 @@ class Run:
         else:
             add_lora(self.transformer, 4, 8, self.adapter.lora_target_modules)
         params = trainable_parameters(self.transformer)
-        self.shadow = ShadowPolicy(self.transformer, "old", FULL)  # made before prepare, as in nft.py / awm.py
+        self.shadow = ShadowPolicy(self.adapter, self.transformer, "old", FULL)  # made before prepare, as setup()
         self.optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=1e-4)
         if sharded:  # what accelerate's FSDP2 prepare does, then the scripts' lines after prepare
             self.transformer = fsdp2_prepare(accelerator, self.transformer, self.optimizer, CONFIG)
             self.adapter.transformer = self.transformer
             self.reference = place_like(self.reference, self.transformer)
         self.params = trainable(self.transformer)
-        self.ema = EMA(self.params, 0.5, module=self.transformer)  # made after prepare, as in grpo.py
+        self.ema = EMA(self.params, 0.5, module=self.transformer)  # made after prepare, as setup()
         self.samples = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2) if sharded else slice(0, BATCH)
 
     def step(self, data: dict) -> float:

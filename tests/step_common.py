@@ -5,7 +5,7 @@ comparison helpers and the diffusers reload check. A `run` is either script's Ru
 import torch
 
 from common.distributed import model_state_dict, optimizer_state_dict
-from common.dynamics import sde_step
+from common.dynamics import sde_kl, sde_step
 from common.training import adapters_disabled
 
 BATCH, CLIP, ETA, GUIDANCE = 4, 1e-2, 0.8, 3.5
@@ -38,17 +38,13 @@ def step_loss(run, d: dict, full: bool) -> torch.Tensor:
     policy_loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - CLIP, 1 + CLIP)).mean()
     with torch.no_grad():
         if full:
-            trained, adapter.transformer = adapter.transformer, run.reference
-            v_ref = adapter.velocity(x, s0, d, GUIDANCE)
-            adapter.transformer = trained
+            v_ref = adapter.velocity(x, s0, d, GUIDANCE, transformer=run.reference)
         else:
             with adapters_disabled(run.transformer):
                 v_ref = adapter.velocity(x, s0, d, GUIDANCE)
         _, _, mean_ref, _ = sde_step("flow-sde", v_ref, x, s0, s1, ETA, prev_sample=x_next)
-        with run.shadow.active(adapter):
-            v_old = adapter.velocity(x, s0, d, GUIDANCE)
-    s = std / torch.sqrt(s0 - s1)
-    kl = (((mean - mean_ref) ** 2).flatten(1).mean(1) / (2 * s.flatten() ** 2)).mean()
+        v_old = run.shadow.velocity(x, s0, d, GUIDANCE)
+    kl = sde_kl("flow-sde", mean, mean_ref, std, s0, s1).mean()
     return policy_loss + 0.5 * kl + 0.5 * ((v - v_old) ** 2).mean()
 
 

@@ -1,4 +1,4 @@
-"""Sharded training on CPU processes (environment.md "Sharded training on CPU"): accelerate ignores FSDP and
+"""Sharded training on CPU processes (docs/distributed.md): accelerate ignores FSDP and
 DeepSpeed on CPU, so the FSDP2 paths run through accelerate's own FSDP2 functions applied by
 tests/fsdp_launch.py, and every test asserts that the parameters really are DTensor shards; the DeepSpeed paths
 run through accelerate's own DeepSpeed code switched on by tests/deepspeed_launch.py, and the tests assert that

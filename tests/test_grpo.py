@@ -220,3 +220,13 @@ def test_warmup_cosine_schedule_resumes_exactly(tmp_path):
     assert lrs[0] == pytest.approx(3e-2 * 2 / 3) and lrs[1] > lrs[2] > lrs[-1] and lrs[-1] == pytest.approx(0, abs=1e-12)
     strip = lambda ms: [{k: v for k, v in m.items() if k not in TIME_KEYS} for m in ms]  # noqa: E731
     assert strip(resumed) == strip(full)
+
+
+def test_a_run_that_builds_the_tiny_model_equals_one_that_finds_it(two_epoch_run, tmp_path):
+    """Building the tiny model seeds torch's RNG; it must not leak into the run (LoRA init, noise) that built it."""
+    run_script("algos/grpo.py", *FAST, "--epochs", "1", "--eval-every", "0", "--output-dir", tmp_path / "built",
+               env={"FLOWRL_CACHE": str(tmp_path / "empty-cache")})
+    assert (tmp_path / "empty-cache" / "tiny-flux1-v1" / "model_index.json").exists()
+    built, found = read_metrics(tmp_path / "built")[0], read_metrics(two_epoch_run)[0]
+    for key in ("reward_mean", "loss", "grad_norm", "approx_kl", "clipfrac"):
+        assert built[key] == found[key], key

@@ -94,7 +94,8 @@ def test_refuses_other_dynamics(tmp_path):
         result = run_script("algos/grpo_guard.py", *SMALL, "--dynamics", dynamics, "--output-dir", tmp_path / "x",
                             check=False)
         assert result.returncode == 2
-        assert result.stderr.strip().splitlines()[-1].startswith("error: --dynamics") and "flow-sde" in result.stderr
+        line = result.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"error: invalid choice '{dynamics}' for argument '--dynamics'") and "flow-sde" in line
 
 
 def test_learns_on_tiny_flux(tmp_path):

@@ -101,8 +101,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_flux_path):
 
 
 def test_training_scripts_turn_off_cudnn_attention():
-    """cuDNN's attention backward gave wrong or non-finite gradients on an H200 with torch 2.11 (README,
-    "Multi-GPU"): every training script and the step benchmark switch it off before building anything."""
+    """cuDNN's attention backward gave wrong or non-finite gradients on an H200 with torch 2.11
+    (docs/distributed.md): every training script and the step benchmark switch it off before building anything."""
     from conftest import REPO
 
     from common.utils import avoid_cudnn_attention
@@ -114,5 +114,8 @@ def test_training_scripts_turn_off_cudnn_attention():
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
-    for script in [*sorted((REPO / "algos").glob("*.py")), REPO / "benchmarks" / "flux_step.py"]:
-        assert "    avoid_cudnn_attention()\n" in script.read_text(), script.name
+    # the scripts parse their flags with common.cli.parse_args, which switches it off first
+    assert "    avoid_cudnn_attention()\n" in (REPO / "common" / "cli.py").read_text()
+    for script in sorted((REPO / "algos").glob("*.py")):
+        assert "    args = parse_args(Args, PRESETS" in script.read_text(), script.name
+    assert "    avoid_cudnn_attention()\n" in (REPO / "benchmarks" / "flux_step.py").read_text()
