@@ -67,7 +67,7 @@ def _check_output_dir(output_dir: Path) -> None:
         raise UserError(f"--output-dir {output_dir} is a file, not a folder")
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
-        probe = output_dir / ".write_test"
+        probe = output_dir / f".write_test.{os.getpid()}"  # the processes of a launch check at the same moment
         probe.write_text("")
         probe.unlink()
     except OSError as err:
@@ -228,19 +228,26 @@ def optimizer_step(run: Run, epoch: int) -> float:
 
 def epoch_metrics(run: Run, epoch: int, all_raw: torch.Tensor, stats: dict, timings: dict) -> dict:
     """The metrics every script logs, in metrics.jsonl's key names: rewards (the epoch, all processes), the mean of
-    each list in `stats` over micro-steps and processes, the learning rate, counters and times."""
+    each list in `stats` over the micro-steps of all processes (a key no process filled is left out), the learning
+    rate, counters and times."""
     accelerator, rewards = run.accelerator, run.rewards
     combined = all_raw @ torch.tensor([r.weight for r in rewards], dtype=torch.float64)
     device = run.device
     peak = accelerator.reduce(torch.tensor(peak_memory_gb(device), device=device), "max")
+    # One all-reduce of (sum, count) per key, on every process whatever it holds: a process whose micro-batches
+    # were all padding has empty lists, and skipping its reduce would leave the others waiting in theirs.
+    names = sorted(stats)
+    totals = accelerator.reduce(torch.stack([
+        torch.stack([torch.stack(stats[n]).double().sum(), torch.tensor(float(len(stats[n])), dtype=torch.float64)])
+        if stats[n] else torch.zeros(2, dtype=torch.float64) for n in names]).to(device), "sum") if names else []
+    means = {n: float(total[0] / total[1]) for n, total in zip(names, totals) if total[1] > 0}
     return {
         "epoch": epoch,
         "reward_mean": float(combined.mean()),
         "reward_std": float(combined.std(correction=0)),
         **{f"reward_{r.name}_mean": float(all_raw[:, k].mean()) for k, r in enumerate(rewards)},
         **{f"reward_{r.name}_std": float(all_raw[:, k].std(correction=0)) for k, r in enumerate(rewards)},
-        **{name: float(accelerator.reduce(torch.stack(values).float().mean(), "mean"))
-           for name, values in stats.items() if values},
+        **means,
         "lr": run.scheduler.get_last_lr()[0],
         "optimizer_steps": run.optimizer_steps,
         "samples_seen": (epoch + 1) * run.args.prompts_per_epoch * run.args.group_size,

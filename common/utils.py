@@ -21,14 +21,22 @@ class RunStopped(UserError):
 def _first_report(message: str) -> bool:
     """Whether this process is the first of its launch to report `message`: under torchrun / `accelerate launch`
     every process usually meets the same bad input, and the line should reach the terminal once. The processes of
-    a launch share TORCHELASTIC_RUN_ID; the first to create the message's marker file reports it."""
+    a launch on one machine share their parent (the launcher's agent) and TORCHELASTIC_RUN_ID ("none" for every
+    standalone launch, so it alone would hide the line in the next launch); the first to create the marker file of
+    (run id, parent, message) reports it."""
     import hashlib
     import tempfile
 
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if run_id is None or os.environ.get("WORLD_SIZE", "1") == "1":
         return True
-    key = hashlib.sha256(f"{run_id}\0{message}".encode()).hexdigest()[:20]
+    parent = str(os.getppid())
+    try:  # with the parent's start time, a reused process id names another launch
+        with open(f"/proc/{parent}/stat") as stat:
+            parent += "@" + stat.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        pass
+    key = hashlib.sha256(f"{run_id}\0{parent}\0{message}".encode()).hexdigest()[:20]
     try:
         os.close(os.open(os.path.join(tempfile.gettempdir(), f"flowrl-error-{key}"), os.O_CREAT | os.O_EXCL))
         return True

@@ -230,3 +230,31 @@ def test_a_run_that_builds_the_tiny_model_equals_one_that_finds_it(two_epoch_run
     built, found = read_metrics(tmp_path / "built")[0], read_metrics(two_epoch_run)[0]
     for key in ("reward_mean", "loss", "grad_norm", "approx_kl", "clipfrac"):
         assert built[key] == found[key], key
+
+
+FLAT_REWARD = '''
+def score(images, prompts):
+    """0 for every sample of "a flat prompt" (a zero-std group), the mean brightness for the others."""
+    return [0.0 if p == "a flat prompt" else float(image.mean()) for image, p in zip(images, prompts)]
+'''
+
+
+def test_two_processes_when_one_holds_only_dropped_samples(tmp_path):
+    """Seed 20, epoch 0 draws (M 2, K 4) the second prompt's whole group onto process 0; its rewards are all equal, so
+    every sample of process 0 is dropped and it trains on one padding micro-batch. Its statistics are empty, yet the
+    epoch's metrics must be the single process's (no collective may be skipped on one process only)."""
+    data, module = tmp_path / "data", tmp_path / "module"
+    data.mkdir(), module.mkdir()
+    (data / "train.txt").write_text("a red apple\na flat prompt\n")
+    (data / "test.txt").write_text("a red apple\n")
+    (module / "flat_reward.py").write_text(FLAT_REWARD)
+    args = [*TINY, "--epochs", "1", "--seed", "20", "--prompts-per-epoch", "2", "--group-size", "4", "--batch-size",
+            "4", "--updates-per-epoch", "1", "--eval-every", "0", "--dataset", data, "--reward", "flat_reward:score"]
+    env = {"PYTHONPATH": str(module)}
+    run_script("algos/grpo.py", *args, "--output-dir", tmp_path / "one", env=env)
+    run_script("algos/grpo.py", *args, "--output-dir", tmp_path / "two", env=env, launcher=ACCELERATE_2CPU,
+               timeout=180)  # a skipped collective hangs
+    (m1,), (m2,) = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert m1["dropped_frac"] == m2["dropped_frac"] == 0.5 and m2["num_processes"] == 2
+    for key in ("loss", "policy_loss", "approx_kl", "clipfrac", "ratio_mean", "grad_norm", "adv_abs_mean"):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-9), key

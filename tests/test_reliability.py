@@ -4,6 +4,7 @@ corrupt what is on disk."""
 
 import http.server
 import json
+import os
 import shutil
 import threading
 import time
@@ -137,6 +138,21 @@ def test_one_line_error_under_accelerate_launch(tmp_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: unknown reward 'foo'; choose from: aesthetic"), \
         result.stderr[-3000:]
+
+
+def test_the_error_line_is_reported_once_per_launch_and_again_in_the_next(tmp_path):
+    """The processes of one launch share a parent (the launcher's agent): one of them prints the line. Standalone
+    launches all have TORCHELASTIC_RUN_ID "none", so a later launch (another parent) must print it again."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TMPDIR": str(tmp_path), "TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2"}
+    code = "from common.utils import _first_report as f; print(f('bad --reward'), f('bad --reward'), f('other'))"
+    launch = [sys.executable, "-c", code]
+    for _ in range(2):  # `sh` stands for the launcher: a new parent per launch (`; true` keeps sh from exec-ing)
+        out = subprocess.run(["sh", "-c", f"{subprocess.list2cmdline(launch)}; true"], cwd=REPO, env=env,
+                             capture_output=True, text=True, check=True).stdout.split()
+        assert out == ["True", "False", "True"], out
 
 
 def test_the_readme_two_process_command_runs_the_tiny_preset(tmp_path):
