@@ -247,7 +247,7 @@ def test_grpo_script_under_deepspeed_matches_ddp_and_resumes(tmp_path, tiny_flux
     assert any((v.float() != v.bfloat16().float()).any() for v in lora.values())  # not bf16 values
 
 
-@pytest.mark.parametrize("script", ["grpo_guard", "mixgrpo", "nft", "awm"])
+@pytest.mark.parametrize("script", ["grpo_guard", "mixgrpo", "nft", "awm", "dpo", "dgpo", "crd"])
 def test_other_scripts_run_under_deepspeed(script, tmp_path, tiny_flux_path):
     """Every other script, unchanged, LoRA and (nft) full fine-tuning, in bf16 as on GPUs (DeepSpeed casts the
     module, θ_old and EMA-sampler adapters included): one epoch under ZeRO-2 with one optimizer step per

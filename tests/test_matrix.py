@@ -6,7 +6,7 @@ import pytest
 
 from conftest import read_metrics, run_script
 
-SCRIPTS = ["grpo", "grpo_guard", "mixgrpo", "nft", "awm"]
+SCRIPTS = ["grpo", "grpo_guard", "mixgrpo", "nft", "awm", "dpo", "dgpo", "crd"]
 # The smallest settings each tiny model takes: one group of 4 in one micro-batch, 4 (MixGRPO: 6) steps.
 MODELS = {
     "flux1": ["--resolution", "32"],
@@ -19,7 +19,9 @@ SMALL = ["--preset", "tiny", "--epochs", "1", "--prompts-per-epoch", "1", "--gro
 STEPS = {"grpo": ["--num-steps", "4", "--updates-per-epoch", "1"],
          "grpo_guard": ["--num-steps", "4", "--updates-per-epoch", "1"],
          "mixgrpo": ["--num-steps", "6", "--window-size", "2", "--updates-per-epoch", "1"],
-         "nft": ["--num-steps", "4", "--train-timesteps", "2"], "awm": ["--num-steps", "4", "--train-timesteps", "2"]}
+         "nft": ["--num-steps", "4", "--train-timesteps", "2"], "awm": ["--num-steps", "4", "--train-timesteps", "2"],
+         "dpo": ["--num-steps", "4"], "dgpo": ["--num-steps", "4", "--trunc-steps", "3", "--train-timesteps", "2"],
+         "crd": ["--num-steps", "4"]}
 
 
 @pytest.mark.parametrize("model", list(MODELS))

@@ -1,6 +1,6 @@
 """Regenerate the toy world's pretrained FLUX.1 pipeline, data/toy/model/, from scratch on one CPU thread.
 
-    python data/toy/pretrain.py                      # the shipped recipe (about half an hour on one thread)
+    python data/toy/pretrain.py                      # the shipped recipe (about an hour of CPU on one thread)
     python data/toy/pretrain.py --out /tmp/toy --steps 500
 
 1. Build the pipeline (common/toy.py `build_toy_pipeline`) with a fixed seed: random frozen text encoders.
