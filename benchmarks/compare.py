@@ -1,61 +1,90 @@
-"""Every algorithm in algos/ on one task, N seeds each: reward against wall-clock and against samples seen.
+"""Every algorithm in algos/ on one task, N seeds each: a metric against wall-clock and against samples seen.
 
-Each (algorithm, seed) runs as its own subprocess, one at a time (OMP_NUM_THREADS=1 in the child), with the
-script's own preset (default `tiny`) and the shared task flags below overriding it: model, model path, reward,
-prompts dataset, resolution, group size K, prompts per epoch M, sampling steps (only when --num-steps is
-given: by default each preset keeps its own) and the number of epochs, budget / (M·K). The presets differ in
-learning rate, clip range, steps and trained timesteps: each is the setting tuned for that algorithm.
-The references' efficiency claims this measures side by side: DiffusionNFT (arXiv:2509.16117) and AWM
-(arXiv:2509.25050) against Flow-GRPO (arXiv:2505.05470), MixGRPO (arXiv:2507.21802) against DanceGRPO.
+Default: the toy world (common/toy.py, rewards/toy.py, data/toy/), a CPU-sized GenEval: every script of algos/ ×
+seeds 1 2 3, each with its own `--preset toy` (the pretrained 2.7 MB FLUX.1 `--model-path toy`, `--dataset
+data/toy`, `--reward toy`, 32 px, 16 text tokens, and that algorithm's own M, K, steps, lr, clip, epochs, ...),
+compared on `eval_toy_strict`, the held-out GenEval-style success rate (all 36 test prompts × 4 fixed seeds):
+  python benchmarks/compare.py
 
-Measures (written to OUTPUT_DIR/results.md, summary.json and compare.png):
-- the reward curve is `--metric`: `eval` (default) is eval_reward_mean, ODE samples of the same test prompts
-  at the same seeds with the same number of steps for every algorithm (`--eval-num-steps`), every
-  `--eval-every` epochs; `train` is reward_mean of each epoch's own rollouts (SDE samples for the GRPO family,
-  ODE/DPM-Solver samples for NFT and AWM, so not like for like);
+Each (algorithm, seed) runs as its own subprocess with OMP_NUM_THREADS=1, `--jobs` of them at a time (default 2:
+a 2-core machine runs two one-thread runs side by side). The task flags (--model, --model-path, --reward,
+--dataset, --resolution, --group-size K, --prompts-per-epoch M, --num-steps) are optional: unset, each preset
+keeps its own value; given, they are passed to every script and override its preset. The run length is each
+preset's own `epochs`, or with `--budget` (total rollout samples per run) budget // (M·K) of each algorithm's M·K
+(read from the script's PRESETS with the overrides applied). The evaluation (--eval-every, --eval-num-steps,
+--eval-num-prompts, --eval-seeds) is always passed, the same for every algorithm. The references' efficiency
+claims this measures side by side: DiffusionNFT (arXiv:2509.16117) and AWM (arXiv:2509.25050) against Flow-GRPO
+(arXiv:2505.05470), MixGRPO (arXiv:2507.21802) against DanceGRPO.
+
+Measures (written to OUTPUT_DIR/results.md, summary.json and compare.png; each run's folder also holds
+stdout.log, stderr.log, wall_time_s.txt and cpu_time_s.txt):
+- the curve is `--metric KEY`, any numeric key of metrics.jsonl (default eval_toy_strict; `eval` is
+  eval_reward_mean, `train` is reward_mean of each epoch's own rollouts: SDE samples for the GRPO family,
+  ODE/solver samples for NFT and AWM, so not like for like). Evaluation keys are Euler-ODE samples of the same
+  test prompts at the same seeds with the same steps for every algorithm, every --eval-every epochs and after
+  the last; the first point is the evaluation after epoch 0's update;
 - wall-clock is training time: the sum over epochs of rollout + reward + training time from metrics.jsonl
   (start-up, evaluation and checkpoints excluded, so evaluation frequency does not bias it);
-- final reward: the mean of the curve's last 10% of points (at least one);
-- threshold: `--threshold` when given, else start + `--threshold-gain`, where start is the mean of the
-  first `--start-points` points of every run (all algorithms and seeds: the same initial model);
-- epochs / time to threshold: the first point where the trailing mean over `--smooth` points reaches the
-  threshold; mean ± std over the seeds that reach it (the count is shown);
+- CPU time: user + system time of each run's process (and of the processes it started and waited for, e.g.
+  under a launcher), from os.wait4; "CPU min to threshold" estimates it as the run's CPU time × (training seconds
+  to threshold / training seconds of the run);
+- base: the first point; final: the mean of the curve's last 10% of points (at least one); best: its maximum;
+- threshold: `--threshold` when given, else start + `--threshold-gain` (on the metric's own scale: 0.10 is ten
+  points of strict success), where start is the mean of the first `--start-points` points of every run (all
+  algorithms and seeds: the same initial model);
+- epochs / samples / time to threshold: the first point where the trailing mean over `--smooth` points reaches
+  the threshold; mean ± std over the seeds that reach it (the count is shown);
 - time per epoch: rollout / reward / training seconds, the mean over the epochs after `--warmup`.
 
 Mean ± std is over seeds (population std). Time-to-threshold ratios are the baseline's time over each
-algorithm's; epoch-time ratios are each algorithm's over the baseline's.
+algorithm's; epoch-time ratios are each algorithm's over the baseline's. The table's caption holds the command
+that made it.
 
-CPU default (tiny FLUX.1, JPEG compressibility, 5 algorithms × 3 seeds × 150 epochs; 13m49s on a 2-core CPU):
-  OMP_NUM_THREADS=1 python benchmarks/compare.py
+CPU, the tiny FLUX.1 with the JPEG reward instead (each script's `tiny` preset; 2400 samples = 150 epochs):
+  python benchmarks/compare.py --preset tiny --model-path tiny --reward jpeg_compressibility --resolution 64 \\
+      --group-size 8 --prompts-per-epoch 2 --budget 2400 --metric eval --threshold-gain 0.5 \\
+      --eval-num-prompts 8 --eval-seeds 1
 
-GPU (published FLUX.1-dev, each paper's preset at one shared 512px/M=48/K=24 task, 8 processes per run,
-100 epochs; set the budget to what you can afford, and --threshold or --threshold-gain on the reward's own
-scale: the 0.5 default is for the tiny JPEG task; pickscore here is logit_scale·cos/26):
-  python benchmarks/compare.py --model-path None --resolution 512 --reward pickscore --group-size 24 \\
-      --prompts-per-epoch 48 --budget 115200 --eval-every 10 --eval-num-steps 28 --eval-num-prompts 64 \\
+GPU (published FLUX.1-dev, each paper's preset at one shared 512px/M=48/K=24 task, 8 processes per run, one run
+at a time, 100 epochs; set the budget to what you can afford, and add --threshold or --threshold-gain on the
+reward's own scale: pickscore here is logit_scale·cos/26, and the 0.10 default is meant for eval_toy_strict):
+  python benchmarks/compare.py --resolution 512 --reward pickscore --group-size 24 --prompts-per-epoch 48 \\
+      --budget 115200 --metric eval --eval-every 10 --eval-num-steps 28 --eval-num-prompts 64 --eval-seeds 1 \\
       --preset none --algo-preset grpo flux1-flowgrpo grpo_guard flux1-grpo-guard mixgrpo flux1-mixgrpo \\
-      nft flux1 awm flux1 --launcher "accelerate launch --num_processes 8" --seeds 1 2 3
+      nft flux1 awm flux1 dpo flux1 dgpo flux1 crd flux1 --launcher "accelerate launch --num_processes 8" \\
+      --jobs 1 --seeds 1 2 3
 """
+import contextlib
+import io
 import json
 import math
 import os
+import runpy
 import shlex
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import tyro
 from PIL import Image, ImageDraw, ImageFont
 
+from common.cli import _one_line
 from common.utils import UserError, install_user_error_hook
 
 REPO = Path(__file__).resolve().parent.parent
 ALGOS = sorted(p.stem for p in (REPO / "algos").glob("*.py"))
 COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
           (227, 119, 194), (127, 127, 127)]
+ALIASES = {"eval": "eval_reward_mean", "train": "reward_mean"}
+# Flags this script passes to every script itself: --extra-args may not set them too.
+MANAGED = ["--preset", "--seed", "--output-dir", "--epochs", "--model", "--model-path", "--reward", "--dataset",
+           "--resolution", "--group-size", "--prompts-per-epoch", "--num-steps", "--eval-every", "--eval-num-steps",
+           "--eval-num-prompts", "--eval-seeds", "--save-every"]
 
 
 @dataclass
@@ -68,49 +97,57 @@ class Args:
     """where each run's folder, results.md, summary.json and compare.png go"""
     reuse: bool = False
     """keep a run whose metrics.jsonl already holds every epoch instead of running it again"""
+    jobs: int = 2
+    """runs at a time, each a one-thread process (OMP_NUM_THREADS=1); use 1 when each run takes a whole machine"""
     launcher: str = ""
     """command that starts each script (default: this python), e.g. "accelerate launch --num_processes 8" """
-    preset: str = "tiny"
-    """preset of every script (its own tuned lr, clip, steps, ...); the task flags below override it"""
+    preset: str = "toy"
+    """preset of every script (its own tuned M, K, lr, clip, steps, epochs, ...); the task flags below override it"""
     algo_preset: dict[str, str] = field(default_factory=dict)
     """per-algorithm preset as ALGO NAME pairs, e.g. grpo flux1-flowgrpo nft flux1 (preset names differ)"""
     extra_args: str = ""
-    """more flags passed to every script, e.g. "--batch-size 4" """
+    """more flags passed to every script, e.g. --extra-args="--batch-size 4" (with `=`: the value starts with --);
+    not the flags this script passes itself"""
 
-    # The task (passed to every script)
-    model: str = "flux1"
+    # The task: unset, each preset's own value; given, passed to every script
+    model: str | None = None
     """model family"""
-    model_path: str | None = "tiny"
-    """pipeline hub id or folder; `tiny` builds the offline tiny model; None: the published model"""
-    reward: list[str] = field(default_factory=lambda: ["jpeg_compressibility"])
+    model_path: str | None = None
+    """pipeline hub id or folder; `tiny` builds the offline tiny model, `toy` is the toy world's FLUX.1"""
+    reward: list[str] | None = None
     """reward(s), as each script's --reward"""
     dataset: str | None = None
-    """prompts folder (default: each script's default dataset)"""
-    resolution: int = 64
+    """prompts folder"""
+    resolution: int | None = None
     """image size"""
-    group_size: int = 8
+    group_size: int | None = None
     """K: samples per prompt"""
-    prompts_per_epoch: int = 2
+    prompts_per_epoch: int | None = None
     """M: prompts per epoch"""
     num_steps: int | None = None
-    """sampling steps of the rollouts (default: each preset's own, e.g. NFT/AWM sample with fewer steps)"""
-    budget: int = 2400
-    """total rollout samples per run; epochs = budget // (M·K)"""
+    """sampling steps of the rollouts (e.g. NFT/AWM presets sample with fewer steps)"""
+    budget: int | None = None
+    """total rollout samples per run: epochs = budget // (M·K) of each algorithm (unset: each preset's epochs)"""
+
+    # Evaluation: always passed, the same for every algorithm
     eval_every: int = 5
-    """evaluate every N epochs (the `eval` curve's spacing)"""
+    """evaluate every N epochs and after the last (the spacing of an evaluation curve)"""
     eval_num_steps: int = 8
-    """ODE steps of evaluation, the same for every algorithm"""
-    eval_num_prompts: int = 8
-    """test prompts evaluated (fixed seeds)"""
+    """Euler-ODE steps of evaluation"""
+    eval_num_prompts: int = 36
+    """test prompts evaluated (the first N of the test split; the toy world holds out 36)"""
+    eval_seeds: int = 4
+    """fixed seeds per test prompt"""
 
     # Analysis
-    metric: str = "eval"
-    """curve to compare: eval (eval_reward_mean) or train (reward_mean of the rollouts)"""
+    metric: str = "eval_toy_strict"
+    """curve to compare: any numeric metrics.jsonl key; `eval` is eval_reward_mean, `train` is reward_mean (the
+    rollouts' own rewards)"""
     threshold: float | None = None
-    """reward threshold (default: start + --threshold-gain)"""
-    threshold_gain: float = 0.5
-    """threshold above the start (the mean of every run's first --start-points points) when --threshold is unset;
-    0.5 is about half the JPEG gain the tiny runs make in 150 epochs"""
+    """threshold on the metric (default: start + --threshold-gain)"""
+    threshold_gain: float = 0.10
+    """threshold above the start (the mean of every run's first --start-points points) when --threshold is unset,
+    on the metric's own scale: 0.10 is ten points of the toy world's strict success rate"""
     start_points: int = 2
     """points per run averaged into the start"""
     smooth: int = 3
@@ -121,30 +158,160 @@ class Args:
     """algorithm the ratios compare with (no ratios when it is not among --algos)"""
 
 
-def run_one(args: Args, algo: str, seed: int, epochs: int, run_dir: Path) -> float:
-    """Run one script to completion in a subprocess; returns its wall time (s), start-up included."""
-    flags = ["--preset", args.algo_preset.get(algo, args.preset), "--seed", seed, "--output-dir", run_dir,
-             "--model", args.model, "--resolution", args.resolution, "--group-size", args.group_size,
-             "--prompts-per-epoch", args.prompts_per_epoch, "--epochs", epochs, "--eval-every", args.eval_every,
-             "--eval-num-steps", args.eval_num_steps, "--eval-num-prompts", args.eval_num_prompts,
-             "--save-every", 0]
-    if args.model_path is not None:
-        flags += ["--model-path", args.model_path]
-    if args.dataset is not None:
-        flags += ["--dataset", args.dataset]
-    if args.num_steps is not None:
-        flags += ["--num-steps", args.num_steps]
-    for reward in args.reward:
-        flags += ["--reward", reward]
+@dataclass
+class Plan:
+    """What one algorithm's runs are: its preset, and the script's settings after the overrides."""
+    preset: str
+    settings: dict
+    epochs: int
+
+    @property
+    def samples_per_epoch(self) -> int:
+        return self.settings["prompts_per_epoch"] * self.settings["group_size"]
+
+
+def metric_key(args: Args) -> str:
+    return ALIASES.get(args.metric, args.metric)
+
+
+def task_overrides(args: Args) -> dict:
+    """The task flags given on the command line (None: leave each preset's own value)."""
+    names = ["model", "model_path", "reward", "dataset", "resolution", "group_size", "prompts_per_epoch", "num_steps"]
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def plan_runs(args: Args) -> dict[str, Plan]:
+    """Each algorithm's preset and settings, read from its script (runpy: the script's main block does not run)
+    with the task overrides applied, and its epochs: the preset's, or --budget // (M·K)."""
+    plans = {}
+    for algo in args.algos:
+        name = args.algo_preset.get(algo, args.preset)
+        module = runpy.run_path(str(REPO / "algos" / f"{algo}.py"))
+        presets = {"none": {}, **module["PRESETS"]}
+        if name not in presets:
+            how = "--algo-preset" if algo in args.algo_preset else "--preset"
+            raise UserError(f"unknown preset {name!r} of algos/{algo}.py ({how}); choose one of: {', '.join(presets)}")
+        settings = vars(replace(module["Args"](), **{**presets[name], **task_overrides(args)}))
+        plan = Plan(name, settings, settings["epochs"])
+        if args.budget is not None:
+            plan.epochs = args.budget // plan.samples_per_epoch
+            if plan.epochs < 1:
+                raise UserError(f"--budget {args.budget} is less than one epoch of {algo}'s M·K = "
+                                f"{plan.samples_per_epoch} samples")
+        plans[algo] = plan
+    return plans
+
+
+def command_of(args: Args, algo: str, seed: int, epochs: int, run_dir: Path, preset: str) -> list[str]:
+    flags = ["--preset", preset, "--seed", seed, "--output-dir", run_dir, "--epochs", epochs,
+             "--eval-every", args.eval_every, "--eval-num-steps", args.eval_num_steps,
+             "--eval-num-prompts", args.eval_num_prompts, "--eval-seeds", args.eval_seeds, "--save-every", 0]
+    for name, value in task_overrides(args).items():
+        for v in value if isinstance(value, list) else [value]:
+            flags += ["--" + name.replace("_", "-"), v]
     launcher = shlex.split(args.launcher) if args.launcher else [sys.executable]
-    command = launcher + [str(REPO / "algos" / f"{algo}.py"), *map(str, flags), *shlex.split(args.extra_args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": os.environ.get("WANDB_MODE", "disabled")}
-    start = time.time()
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    (run_dir / "stderr.log").write_text(result.stderr)
-    if result.returncode:
-        raise SystemExit(f"{shlex.join(command)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    return time.time() - start
+    return launcher + [str(REPO / "algos" / f"{algo}.py"), *map(str, flags), *shlex.split(args.extra_args)]
+
+
+class Runner:
+    """Starts runs as subprocesses, `--jobs` at a time, and measures each one's wall and CPU time (os.wait4 on
+    its pid: user + system time of the process and of the children it waited for)."""
+
+    def __init__(self):
+        self.live: dict[int, subprocess.Popen] = {}
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+
+    def run(self, command: list[str], run_dir: Path) -> tuple[int, float, float] | None:
+        """(exit status, wall seconds, CPU seconds) of one run, None when stopping; stdout and stderr go straight
+        to run_dir/stdout.log and stderr.log."""
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": os.environ.get("WANDB_MODE", "disabled")}
+        with self.lock:
+            if self.stopping.is_set():
+                return None
+            with open(run_dir / "stdout.log", "w") as stdout, open(run_dir / "stderr.log", "w") as stderr:
+                start = time.time()
+                process = subprocess.Popen(command, cwd=REPO, env=env, stdout=stdout, stderr=stderr)
+            self.live[process.pid] = process
+        _, status, usage = os.wait4(process.pid, 0)
+        wall = time.time() - start
+        process.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+        with self.lock:
+            del self.live[process.pid]
+        return process.returncode, wall, usage.ru_utime + usage.ru_stime
+
+    def stop(self):
+        """Start nothing more and terminate the runs still going (our own children, by pid)."""
+        with self.lock:
+            self.stopping.set()
+            for process in self.live.values():
+                if process.returncode is None:
+                    process.terminate()
+
+
+def check_metric(key: str, metrics: list[dict], algo: str, seed: int):
+    if not any(key in m for m in metrics):
+        keys = sorted({k for m in metrics for k, v in m.items() if isinstance(v, (int, float))})
+        raise UserError(f"--metric {key}: run {algo} seed {seed} logged no {key!r} (its numeric keys: "
+                        f"{', '.join(keys)})")
+
+
+def run_all(args: Args, plans: dict[str, Plan], out: Path) -> tuple[dict, dict, dict]:
+    """Every (algorithm, seed), seed-major (each algorithm's first seed comes early), reusing finished runs with
+    --reuse. Returns the metrics, wall seconds and CPU seconds of each run, by algorithm, in --seeds order."""
+    key, begin = metric_key(args), time.time()
+    runs, wall, cpu, todo = {}, {}, {}, []
+    for seed in args.seeds:
+        for algo in args.algos:
+            run_dir = out / f"{algo}-{seed}"
+            files = run_dir / "wall_time_s.txt", run_dir / "cpu_time_s.txt"
+            if args.reuse and len(read_metrics(run_dir)) == plans[algo].epochs and all(f.exists() for f in files):
+                continue
+            todo.append((algo, seed, run_dir, files))
+    runner = Runner()
+
+    def one(algo, seed, run_dir, files):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for path in (run_dir / "metrics.jsonl", *files):
+            path.unlink(missing_ok=True)
+        command = command_of(args, algo, seed, plans[algo].epochs, run_dir, plans[algo].preset)
+        print(f"[{time.time() - begin:6.0f}s] {algo} seed {seed}: {plans[algo].epochs} epochs of "
+              f"{plans[algo].samples_per_epoch} samples", file=sys.stderr, flush=True)
+        result = runner.run(command, run_dir)
+        if result is None:
+            return
+        status, seconds, cpu_seconds = result
+        if status:
+            tail = (run_dir / "stderr.log").read_text()[-3000:]
+            raise SystemExit(f"{shlex.join(command)} failed ({status}):\n{tail}")
+        files[0].write_text(f"{seconds:.3f}\n")
+        files[1].write_text(f"{cpu_seconds:.3f}\n")
+        check_metric(key, read_metrics(run_dir), algo, seed)
+        print(f"[{time.time() - begin:6.0f}s] {algo} seed {seed} done: {seconds:.0f} s wall, {cpu_seconds:.0f} s CPU",
+              file=sys.stderr, flush=True)
+
+    pool = ThreadPoolExecutor(max_workers=args.jobs)
+    try:
+        pending = {pool.submit(one, *item) for item in todo}
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                future.result()  # a failed run stops the others
+    except BaseException:
+        runner.stop()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    for algo in args.algos:
+        runs[algo], wall[algo], cpu[algo] = [], [], []
+        for seed in args.seeds:
+            run_dir = out / f"{algo}-{seed}"
+            metrics = read_metrics(run_dir)
+            check_metric(key, metrics, algo, seed)
+            runs[algo].append(metrics)
+            wall[algo].append(float((run_dir / "wall_time_s.txt").read_text()))
+            cpu[algo].append(float((run_dir / "cpu_time_s.txt").read_text()))
+    return runs, wall, cpu
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -152,10 +319,15 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
-def curve(metrics: list[dict], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(training seconds so far, samples seen, reward) at each epoch that logged `key`."""
-    seconds = np.cumsum([m["rollout_time_s"] + m["reward_time_s"] + m["train_time_s"] for m in metrics])
-    rows = [(seconds[i], m["samples_seen"], m[key]) for i, m in enumerate(metrics) if key in m]
+def training_seconds(metrics: list[dict]) -> np.ndarray:
+    """Training seconds so far (rollout + reward + training) after each epoch."""
+    return np.cumsum([m["rollout_time_s"] + m["reward_time_s"] + m["train_time_s"] for m in metrics])
+
+
+def curve(metrics: list[dict], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(training seconds so far, samples seen, epochs done, value) at each epoch that logged `key`."""
+    seconds = training_seconds(metrics)
+    rows = [(seconds[i], m["samples_seen"], m["epoch"] + 1, m[key]) for i, m in enumerate(metrics) if key in m]
     return tuple(np.array(column, dtype=float) for column in zip(*rows))
 
 
@@ -172,25 +344,31 @@ def mean_std(values) -> str:
     return f"{values.mean():.3f} ± {values.std():.3f}" if len(values) else "–"
 
 
-def summarise(args: Args, runs: dict[str, list[dict]]) -> tuple[dict, float, float]:
-    """Per-algorithm numbers (lists over seeds) from the runs' metrics; also the start and the threshold."""
-    key = {"eval": "eval_reward_mean", "train": "reward_mean"}[args.metric]
+def summarise(args: Args, runs: dict[str, list[dict]], cpu: dict[str, list[float]]) -> tuple[dict, float, float]:
+    """Per-algorithm numbers (lists over seeds) from the runs' metrics and CPU times; also the start and the
+    threshold."""
+    key = metric_key(args)
     curves = {algo: [curve(m, key) for m in seeds] for algo, seeds in runs.items()}
-    start = float(np.mean([c[2][: args.start_points].mean() for cs in curves.values() for c in cs]))
+    start = float(np.mean([c[3][: args.start_points].mean() for cs in curves.values() for c in cs]))
     threshold = args.threshold if args.threshold is not None else start + args.threshold_gain
     summary = {}
     for algo, cs in curves.items():
-        row = {"final": [], "epochs_to": [], "time_to": [], "samples_to": [], "rollout": [], "reward": [],
-               "train": [], "epoch": [], "reached": 0, "seeds": len(cs)}
-        for (seconds, samples, reward), metrics in zip(cs, runs[algo]):
-            row["final"].append(reward[-max(1, math.ceil(0.1 * len(reward))):].mean())
-            hit = first_reach(reward, threshold, args.smooth)
+        row = {"base": [], "final": [], "best": [], "epochs_to": [], "time_to": [], "samples_to": [],
+               "cpu_min_to": [], "rollout": [], "reward": [], "train": [], "epoch": [], "cpu_min": [],
+               "reached": 0, "seeds": len(cs)}
+        for (seconds, samples, epochs, values), metrics, cpu_s in zip(cs, runs[algo], cpu[algo]):
+            row["base"].append(values[0])
+            row["final"].append(values[-max(1, math.ceil(0.1 * len(values))):].mean())
+            row["best"].append(values.max())
+            row["cpu_min"].append(cpu_s / 60)
+            hit = first_reach(values, threshold, args.smooth)
             if hit is not None:
                 row["reached"] += 1
-                epoch = int(samples[hit] // (args.group_size * args.prompts_per_epoch))
-                row["epochs_to"].append(epoch)
+                row["epochs_to"].append(epochs[hit])
                 row["time_to"].append(seconds[hit])
                 row["samples_to"].append(samples[hit])
+                # an estimate: CPU time spread over the run in proportion to its training seconds
+                row["cpu_min_to"].append(cpu_s / 60 * seconds[hit] / training_seconds(metrics)[-1])
             timed = metrics[args.warmup:] or metrics
             for part in ("rollout", "reward", "train"):
                 row[part].append(np.mean([m[f"{part}_time_s"] for m in timed]))
@@ -199,39 +377,95 @@ def summarise(args: Args, runs: dict[str, list[dict]]) -> tuple[dict, float, flo
     return summary, start, threshold
 
 
-def write_table(args: Args, summary: dict, start: float, threshold: float, epochs: int, wall: dict) -> str:
+def command_line() -> str:
+    """This run's command as typed from the repository root (the script path made relative when it is inside)."""
+    script = Path(sys.argv[0]).resolve()
+    script = script.relative_to(REPO) if script.is_relative_to(REPO) else Path(sys.argv[0])
+    return shlex.join(["python", str(script), *sys.argv[1:]])
+
+
+def describe_metric(args: Args) -> str:
+    key = metric_key(args)
+    if key.startswith("eval_"):
+        return (f"`{key}`, held out: Euler ODE, {args.eval_num_steps} steps, the first {args.eval_num_prompts} test "
+                f"prompts × {args.eval_seeds} fixed seeds, the same for every algorithm, every {args.eval_every} "
+                f"epochs and after the last (the first point is after epoch 0's update)")
+    if key == "reward_mean":
+        return ("`reward_mean`, the rewards of each epoch's own rollouts (SDE samples for the GRPO family, "
+                "ODE/solver samples for NFT and AWM: not like for like)")
+    return f"`{key}` from metrics.jsonl"
+
+
+def describe_task(plans: dict[str, Plan]) -> str:
+    """The task settings: one value when every algorithm has the same, else each algorithm's."""
+    def show(name, value):
+        if name == "dataset":
+            path = Path(value)
+            return str(path.relative_to(REPO)) if path.is_absolute() and path.is_relative_to(REPO) else str(value)
+        if name == "reward":
+            return ", ".join(value) or "jpeg_compressibility"  # the scripts' default when none is given
+        return str(value)
+
+    parts = []
+    for name, label in [("model", "model"), ("model_path", "model path"), ("dataset", "dataset"),
+                        ("reward", "reward"), ("resolution", "resolution"), ("max_sequence_length", "text tokens"),
+                        ("num_steps", "rollout steps")]:
+        values = {algo: show(name, plan.settings[name]) for algo, plan in plans.items()}
+        if len(set(values.values())) == 1:
+            parts.append(f"{label} {next(iter(values.values()))}")
+        else:
+            parts.append(f"{label} " + "/".join(f"{v} ({a})" for a, v in values.items()))
+    return "; ".join(parts)
+
+
+def write_table(args: Args, plans: dict[str, Plan], summary: dict, start: float, threshold: float, wall: dict,
+                command: str) -> str:
     how = (f"--threshold {threshold:.3f}" if args.threshold is not None else
-           f"start {start:.3f} (mean of every run's first {args.start_points} points) + {args.threshold_gain}")
-    lines = [f"{args.model} `{args.model_path}`, {args.resolution}px, reward {', '.join(args.reward)}, "
-             f"M={args.prompts_per_epoch} prompts × K={args.group_size}, budget {args.budget} samples = {epochs} "
-             f"epochs, seeds {' '.join(map(str, args.seeds))}; each algorithm with its own `--preset "
-             f"{args.preset}` (the presets differ in lr, clip range, steps, trained timesteps)"
-             + (f", per-algorithm presets {args.algo_preset}" if args.algo_preset else "") + ".",
-             f"Reward: {'eval_reward_mean (ODE, ' + str(args.eval_num_steps) + ' steps, ' + str(args.eval_num_prompts) + ' test prompts, fixed seeds, every ' + str(args.eval_every) + ' epochs)' if args.metric == 'eval' else 'reward_mean of the rollouts'}; "
-             f"final = mean of the last 10% of points; threshold {threshold:.3f} = {how}, reached when the "
-             f"trailing mean over {args.smooth} points is ≥ it. Times are training seconds (rollout + reward + "
-             f"training; start-up and evaluation excluded), per epoch after {args.warmup} warm-up epochs. "
-             f"Mean ± std over seeds.", "",
-             "| algorithm | final reward | reached | epochs to threshold | time to threshold (s) | "
-             "rollout s/epoch | reward s/epoch | train s/epoch | epoch s | run wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+           f"start {start:.3f} (mean of every run's first {args.start_points} points) + {args.threshold_gain:g}")
+    presets = sorted({p.preset for p in plans.values()})
+    preset_text = (f"each algorithm with its own `--preset {presets[0]}`" if len(presets) == 1 else
+                   "presets " + ", ".join(f"{a} `{p.preset}`" for a, p in plans.items()))
+    budget = (f"budget {args.budget} samples per run (epochs = budget // M·K)" if args.budget is not None else
+              "each preset's own epochs")
+    lines = [f"`{command}`", "",
+             f"Seeds {' '.join(map(str, args.seeds))}; {preset_text} (the presets differ in M, K, lr, clip range, "
+             f"steps, trained timesteps, epochs); {budget}; {args.jobs} run(s) at a time, one thread each. Task: "
+             f"{describe_task(plans)}. Metric: {describe_metric(args)}. Threshold {threshold:.3f} = {how}, reached "
+             f"when the trailing mean over {args.smooth} points is ≥ it. Final = mean of the last 10% of points. "
+             f"Times are training seconds (rollout + reward + training; start-up and evaluation excluded), per "
+             f"epoch after {args.warmup} warm-up epochs; run wall s is the whole process. CPU min is the run's "
+             f"process CPU time (user + system, os.wait4); CPU min to threshold is an estimate: CPU min × training "
+             f"seconds to threshold / training seconds of the run. Mean ± std over seeds (to threshold: over the "
+             f"seeds that reach it).", "",
+             "| algorithm | M×K | epochs | final | reached | epochs to threshold | samples to threshold | "
+             "time to threshold (s) | CPU min to threshold | rollout s/epoch | reward s/epoch | train s/epoch | "
+             "epoch s | run wall s | CPU min |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for algo, row in summary.items():
-        lines.append(f"| {algo} | {mean_std(row['final'])} | {row['reached']}/{row['seeds']} | "
-                     f"{mean_std(row['epochs_to'])} | {mean_std(row['time_to'])} | {mean_std(row['rollout'])} | "
-                     f"{mean_std(row['reward'])} | {mean_std(row['train'])} | {mean_std(row['epoch'])} | "
-                     f"{mean_std(wall[algo])} |")
+        s = plans[algo].settings
+        lines.append(f"| {algo} | {s['prompts_per_epoch']}×{s['group_size']} | {plans[algo].epochs} | "
+                     f"{mean_std(row['final'])} | {row['reached']}/{row['seeds']} | {mean_std(row['epochs_to'])} | "
+                     f"{mean_std(row['samples_to'])} | {mean_std(row['time_to'])} | {mean_std(row['cpu_min_to'])} | "
+                     f"{mean_std(row['rollout'])} | {mean_std(row['reward'])} | {mean_std(row['train'])} | "
+                     f"{mean_std(row['epoch'])} | {mean_std(wall[algo])} | {mean_std(row['cpu_min'])} |")
+    lines += ["", f"`{metric_key(args)}` per algorithm, mean ± std over seeds: base (the first point), final (mean of "
+              f"the last 10% of points), best (the maximum over points)."]
+    for algo, row in summary.items():
+        lines.append(f"- {algo}: base {mean_std(row['base'])}, final {mean_std(row['final'])}, best "
+                     f"{mean_std(row['best'])}")
     base = summary.get(args.baseline)
-    if base is not None:
+    if base is not None and len(summary) > 1:
         lines.append("")
+        b = args.baseline
         for algo, row in summary.items():
-            if algo == args.baseline:
+            if algo == b:
                 continue
-            b = args.baseline
             parts = [f"epoch time {algo}/{b} = {np.mean(row['epoch']) / np.mean(base['epoch']):.2f}"]
             if row["time_to"] and base["time_to"]:
                 parts.append(f"time to threshold {b}/{algo} = {np.mean(base['time_to']) / np.mean(row['time_to']):.2f} "
-                             f"(epochs {np.mean(base['epochs_to']) / np.mean(row['epochs_to']):.2f}; over the seeds "
-                             f"that reach it: {row['reached']}/{row['seeds']} and {base['reached']}/{base['seeds']})")
+                             f"(samples {np.mean(base['samples_to']) / np.mean(row['samples_to']):.2f}, epochs "
+                             f"{np.mean(base['epochs_to']) / np.mean(row['epochs_to']):.2f}; over the seeds that "
+                             f"reach it: {row['reached']}/{row['seeds']} and {base['reached']}/{base['seeds']})")
             else:
                 parts.append(f"time to threshold: {algo if not row['time_to'] else b} never reaches it")
             lines.append(f"- {algo} vs {b}: " + "; ".join(parts))
@@ -286,36 +520,34 @@ def draw_panel(img: Image.Image, box: tuple[int, int, int, int], series: dict, x
 
 
 def plot(args: Args, runs: dict[str, list[dict]], threshold: float, path: Path, size=(1400, 560)):
-    """Reward against training wall-clock (x: the seeds' mean time at each point) and against samples seen;
+    """The metric against training wall-clock (x: the seeds' mean time at each point) and against samples seen;
     line = mean over seeds, band = min–max over seeds."""
-    key = {"eval": "eval_reward_mean", "train": "reward_mean"}[args.metric]
+    key = metric_key(args)
     by_time, by_samples = {}, {}
     for algo, seeds in runs.items():
         curves = [curve(m, key) for m in seeds]
-        n = min(len(c[2]) for c in curves)
-        seconds, samples, reward = (np.stack([c[i][:n] for c in curves]) for i in range(3))
-        stats = (reward.mean(0), reward.min(0), reward.max(0))
+        n = min(len(c[3]) for c in curves)
+        seconds, samples, _, values = (np.stack([c[i][:n] for c in curves]) for i in range(4))
+        stats = (values.mean(0), values.min(0), values.max(0))
         by_time[algo], by_samples[algo] = (seconds.mean(0), *stats), (samples[0], *stats)
-    all_rewards = np.concatenate([np.concatenate(s[2:]) for s in by_time.values()] + [[threshold]])
-    pad = 0.05 * (all_rewards.max() - all_rewards.min() or 1.0)
-    ylim = (float(all_rewards.min() - pad), float(all_rewards.max() + pad))
+    all_values = np.concatenate([np.concatenate(s[2:]) for s in by_time.values()] + [[threshold]])
+    pad = 0.05 * (all_values.max() - all_values.min() or 1.0)
+    ylim = (float(all_values.min() - pad), float(all_values.max() + pad))
     font = ImageFont.load_default(size=15)
     img = Image.new("RGBA", size, "white")
     width, height = size
-    ylabel = f"{'eval' if args.metric == 'eval' else 'train'} reward ({', '.join(args.reward)})"
     panels = [(by_time, "training wall-clock (s)"), (by_samples, "samples seen")]
     for i, (series, xlabel) in enumerate(panels):
         left = 95 + i * width // 2
         box = (left, 40, left + width // 2 - 130, height - 110)
-        draw_panel(img, box, series, xlabel, ylabel, font, ylim)
+        draw_panel(img, box, series, xlabel, key, font, ylim)
         draw = ImageDraw.Draw(img)
         y = box[1] + (ylim[1] - threshold) / (ylim[1] - ylim[0]) * (box[3] - box[1])
         for xs in range(box[0], box[2], 12):  # dashed threshold line
             draw.line([(xs, y), (min(xs + 6, box[2]), y)], fill=(90, 90, 90))
     draw = ImageDraw.Draw(img)
-    draw.text((width / 2, 12), f"{args.model} {args.model_path}: {args.metric} reward, mean over "
-              f"{len(args.seeds)} seed(s), band min-max, dashed: threshold {threshold:.3f}", fill="black", font=font,
-              anchor="mt")
+    draw.text((width / 2, 12), f"{key}: mean over {len(args.seeds)} seed(s), band min-max, dashed: threshold "
+              f"{threshold:.3f}", fill="black", font=font, anchor="mt")
     x = 95
     for algo, color in zip(runs, COLORS):  # legend along the bottom
         draw.line([(x, height - 25), (x + 30, height - 25)], fill=color, width=4)
@@ -324,42 +556,72 @@ def plot(args: Args, runs: dict[str, list[dict]], threshold: float, path: Path, 
     img.convert("RGB").save(path)
 
 
-if __name__ == "__main__":
-    install_user_error_hook()
-    args = tyro.cli(Args, description=__doc__)
+def check_flags(args: Args):
+    """One-line errors for flags no run can use, before anything runs or loads."""
     unknown = [a for a in args.algos if a not in ALGOS]
     if unknown or not args.algos:
         raise UserError(f"unknown --algos {' '.join(unknown)}; choose from: {', '.join(ALGOS)}")
-    if args.metric not in ("eval", "train"):
-        raise UserError(f"unknown --metric {args.metric!r}; choose eval or train")
-    epochs = args.budget // (args.prompts_per_epoch * args.group_size)
-    if epochs < 1:
-        raise UserError(f"--budget {args.budget} is less than one epoch of M·K = "
-                         f"{args.prompts_per_epoch * args.group_size} samples")
-    if args.metric == "eval" and args.eval_every < 1:
-        raise UserError("--metric eval needs --eval-every ≥ 1; use --metric train to run without evaluation")
+    unknown = [a for a in args.algo_preset if a not in ALGOS]
+    if unknown:
+        raise UserError(f"unknown algorithm {' '.join(unknown)} in --algo-preset; choose from: {', '.join(ALGOS)}")
+    if not args.seeds:
+        raise UserError("--seeds needs at least one seed")
+    if len(set(args.seeds)) != len(args.seeds):
+        raise UserError(f"--seeds has repeats: {' '.join(map(str, args.seeds))}")
+    for name, lowest in [("jobs", 1), ("budget", 1), ("start_points", 1), ("smooth", 1), ("warmup", 0),
+                         ("eval_every", 0), ("eval_num_steps", 1), ("eval_num_prompts", 1), ("eval_seeds", 1),
+                         ("resolution", 1), ("group_size", 2), ("prompts_per_epoch", 1), ("num_steps", 2)]:
+        value = getattr(args, name)
+        if value is not None and value < lowest:
+            raise UserError(f"--{name.replace('_', '-')} must be at least {lowest}, got {value}")
+    if args.metric in ("", "epoch"):
+        raise UserError(f"--metric {args.metric!r} is not a curve; give a metrics.jsonl key such as eval_toy_strict")
+    if metric_key(args).startswith("eval_") and args.eval_every < 1:
+        raise UserError(f"--metric {args.metric} needs --eval-every ≥ 1; use --metric train to run without "
+                        f"evaluation")
+    try:
+        extra = shlex.split(args.extra_args)
+    except ValueError as error:
+        raise UserError(f"--extra-args {args.extra_args!r}: {error}") from None
+    for token in extra:
+        if token.split("=", 1)[0] in MANAGED:
+            flag = token.split("=", 1)[0]
+            raise UserError(f"--extra-args sets {flag}, which compare.py passes to every script itself"
+                            + (f": use compare.py's own {flag}" if flag not in ("--seed", "--output-dir") else ""))
+
+
+def parse_flags() -> Args:
+    """The command line as Args; tyro's boxed errors become one-line UserErrors, as in the scripts."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            args = tyro.cli(Args, description=__doc__)
+    except SystemExit as exit:
+        if exit.code in (0, None):
+            raise
+        raise UserError(_one_line(captured.getvalue())) from None
+    check_flags(args)
+    return args
+
+
+if __name__ == "__main__":
+    install_user_error_hook()
+    args = parse_flags()
+    plans = plan_runs(args)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    runs, wall = {a: [] for a in args.algos}, {a: [] for a in args.algos}
     begin = time.time()
-    for algo in args.algos:
-        for seed in args.seeds:
-            run_dir = out / f"{algo}-{seed}"
-            metrics = read_metrics(run_dir)
-            wall_file = run_dir / "wall_time_s.txt"
-            if not (args.reuse and len(metrics) == epochs and wall_file.exists()):
-                print(f"[{time.time() - begin:6.0f}s] {algo} seed {seed}: {epochs} epochs", file=sys.stderr, flush=True)
-                run_dir.mkdir(parents=True, exist_ok=True)
-                (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-                wall_file.write_text(f"{run_one(args, algo, seed, epochs, run_dir):.3f}\n")
-                metrics = read_metrics(run_dir)
-            runs[algo].append(metrics)
-            wall[algo].append(float(wall_file.read_text()))
-    summary, start, threshold = summarise(args, runs)
-    table = write_table(args, summary, start, threshold, epochs, wall)
+    runs, wall, cpu = run_all(args, plans, out)
+    summary, start, threshold = summarise(args, runs, cpu)
+    command = command_line()
+    table = write_table(args, plans, summary, start, threshold, wall, command)
     (out / "results.md").write_text(table)
-    (out / "summary.json").write_text(json.dumps({"start": start, "threshold": threshold, "epochs": epochs,
-                                                  "algorithms": summary, "run_wall_s": wall}, indent=1))
+    (out / "summary.json").write_text(json.dumps({
+        "command": command, "metric": metric_key(args), "start": start, "threshold": threshold,
+        "seeds": args.seeds, "epochs": {a: p.epochs for a, p in plans.items()},
+        "presets": {a: p.preset for a, p in plans.items()},
+        "samples_per_epoch": {a: p.samples_per_epoch for a, p in plans.items()},
+        "algorithms": summary, "run_wall_s": wall, "run_cpu_s": cpu}, indent=1))
     plot(args, runs, threshold, out / "compare.png")
     print(table)
     print(f"wrote {out / 'results.md'}, {out / 'summary.json'}, {out / 'compare.png'} "

@@ -31,6 +31,12 @@ MAX_SEQUENCE_LENGTH = 16
 TEST_FRACTION = 0.2
 SPLIT_SEED = 0
 
+# The flags that put a script in the toy world, shared by every script's `toy` preset: the shipped model, its prompt
+# split, the exact reward (mean of the five checks), and evaluation on all 36 held-out prompts × 4 seeds (one seed
+# per prompt moves the strict success by ±0.05 by noise alone).
+TOY_WORLD = dict(model_path="toy", dataset=str(TOY_DIR), reward=["toy"], resolution=RESOLUTION,
+                 max_sequence_length=MAX_SEQUENCE_LENGTH, eval_num_prompts=36, eval_seeds=4, eval_num_steps=8)
+
 # Centre hue (degrees) of each colour as drawn; rewards/toy.py classifies hues into windows around these.
 HUES = {"red": 0.0, "yellow": 55.0, "green": 120.0, "blue": 225.0}
 

@@ -27,20 +27,33 @@ def tiny_flux_path():
     return tiny_model_path("flux1")
 
 
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 nothing listens on now."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def run_script(script: str, *args, check: bool = True, timeout: float = 600, launcher=None, env=None):
     """Run `algos/<script>` (or any repo-relative script) in a subprocess; returns CompletedProcess."""
     import shutil
 
-    command = (launcher or [sys.executable]) + [str(REPO / script), *map(str, args)]
+    launched, launcher = launcher is not None, list(launcher or [sys.executable])
+    if "accelerate.commands.launch" in launcher and "--main_process_port" not in launcher:
+        # tests run two at a time (pytest -n 2): each launch gets its own port instead of the default 29500
+        launcher += ["--main_process_port", str(free_port())]
+    command = launcher + [str(REPO / script), *map(str, args)]
     args = list(map(str, args))
     output = Path(args[args.index("--output-dir") + 1]) if "--output-dir" in args else None
     backup = None
-    if launcher and output is not None and output.is_dir():  # to retry from the same folder (below)
+    if launched and output is not None and output.is_dir():  # to retry from the same folder (below)
         backup = Path(tempfile.mkdtemp(prefix="flowrl-retry-")) / "out"
         shutil.copytree(output, backup)
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                             env={**os.environ, **(env or {})})
-    if launcher and result.returncode != 0 and "terminate called without an active exception" in result.stderr:
+    if launched and result.returncode != 0 and "terminate called without an active exception" in result.stderr:
         # gloo on CPU now and then aborts a process's exit in C++ static destructors, after the work is done.
         # A training script that got as far as its closing "outputs:" line finished its work: accept it.
         # Anything else runs once more from the output folder as it was before (a real failure fails again).

@@ -62,4 +62,5 @@ if __name__ == "__main__":
     (accelerator,) = accelerators
     engine = accelerator.deepspeed_engine_wrapped.engine
     print(f"deepspeed_launch: engine={type(engine).__name__} zero_stage={engine.zero_optimization_stage()} "
-          f"optimizer={type(engine.optimizer).__name__} world={engine.world_size} optimizer_steps={engine.global_steps}")
+          f"optimizer={type(engine.optimizer).__name__} world={engine.world_size} optimizer_steps={engine.global_steps}",
+          flush=True)

@@ -41,15 +41,13 @@ def test_cached_embeddings_are_bitwise_equal_to_online_ones(built, adapter):
     assert len(cache.manifest["shards"]) == 3 and cache.manifest["inputs"] == inputs
 
 
-@pytest.mark.parametrize("change", ["max_sequence_length", "model_path", "prompt", "dtype"])
+@pytest.mark.parametrize("change", ["max_sequence_length", "prompt", "dtype"])
 def test_any_input_change_gives_another_fingerprint_and_a_stale_error(built, tiny_flux_path, tmp_path, change):
     root, inputs, _ = built
     args = dict(model="flux1", model_path=str(tiny_flux_path), max_sequence_length=32, dtype=torch.float32,
                 texts=TEXTS)
     if change == "max_sequence_length":
         args["max_sequence_length"] = 16
-    elif change == "model_path":
-        args["model_path"] = str(shutil.copytree(tiny_flux_path, tmp_path / "copy"))
     elif change == "prompt":
         args["texts"] = TEXTS[:-1] + [TEXTS[-1] + "!"]
     else:
@@ -59,6 +57,15 @@ def test_any_input_change_gives_another_fingerprint_and_a_stale_error(built, tin
     key = "texts_sha256" if change == "prompt" else change
     with pytest.raises(UserError, match=f"is stale \\(it differs in: .*{key}"):
         open_cache(root, other, explicit=True)
+
+
+def test_the_same_model_in_another_folder_matches_the_cache(built, tiny_flux_path, tmp_path):
+    """A local model is known by its text encoders' files, not its path: the tiny model rebuilt under another
+    $FLOWRL_CACHE, or a checkpoint moved, still finds its embeddings."""
+    root, inputs, _ = built
+    moved = str(shutil.copytree(tiny_flux_path, tmp_path / "elsewhere" / "tiny-flux1"))
+    assert fingerprint_inputs("flux1", moved, 32, torch.float32, TEXTS) == inputs
+    assert open_cache(root, inputs, explicit=False) is not None
 
 
 def test_changed_tokenizer_file_changes_the_fingerprint(tiny_flux_path, tmp_path):

@@ -9,10 +9,14 @@ from PIL import Image
 
 from conftest import REPO, read_metrics, run_script
 
-COLUMNS = ["algorithm", "final reward", "reached", "epochs to threshold", "time to threshold (s)",
-           "rollout s/epoch", "reward s/epoch", "train s/epoch", "epoch s", "run wall s"]
-SMOKE = ["--algos", "grpo", "nft", "--seeds", "1", "--budget", "32", "--eval-every", "1", "--warmup", "1",
-         "--start-points", "1", "--smooth", "1", "--threshold-gain", "0.15"]
+COLUMNS = ["algorithm", "M×K", "epochs", "final", "reached", "epochs to threshold", "samples to threshold",
+           "time to threshold (s)", "CPU min to threshold", "rollout s/epoch", "reward s/epoch", "train s/epoch",
+           "epoch s", "run wall s", "CPU min"]
+# The tiny FLUX.1 and the JPEG reward (each script's `tiny` preset: M·K = 16), 2 epochs, 2 runs side by side.
+SMOKE = ["--algos", "grpo", "nft", "--seeds", "1", "--preset", "tiny", "--model-path", "tiny", "--reward",
+         "jpeg_compressibility", "--resolution", "64", "--budget", "32", "--metric", "eval", "--eval-every", "1",
+         "--eval-num-prompts", "2", "--eval-seeds", "1", "--warmup", "1", "--start-points", "1", "--smooth", "1",
+         "--threshold-gain", "0.15"]
 
 
 def parse_table(text: str) -> dict[str, dict[str, str]]:
@@ -75,7 +79,8 @@ def test_compare_smoke(tmp_path):
     for algo, metrics in runs.items():
         e = expected(metrics, threshold, 1, 16)
         row = table[algo]
-        check_cell(row["final reward"], [e["final"]])
+        assert row["M×K"] == "2×8" and row["epochs"] == "2"
+        check_cell(row["final"], [e["final"]])
         assert row["reached"] == f"{len(e['epochs_to'])}/1"
         check_cell(row["epochs to threshold"], e["epochs_to"])
         check_cell(row["time to threshold (s)"], e["time_to"])
@@ -83,10 +88,16 @@ def test_compare_smoke(tmp_path):
         check_cell(row["reward s/epoch"], [e["reward"]])
         check_cell(row["train s/epoch"], [e["train"]])
         check_cell(row["epoch s"], [e["rollout"] + e["reward"] + e["train"]])
+        check_cell(row["samples to threshold"], [16 * n for n in e["epochs_to"]])
         wall = float((out / f"{algo}-1" / "wall_time_s.txt").read_text())
         assert wall > sum(m["epoch_time_s"] for m in metrics)  # the process also loads the model
         check_cell(row["run wall s"], [wall])
-    assert f"threshold {threshold:.3f}" in (out / "results.md").read_text()
+        cpu = float((out / f"{algo}-1" / "cpu_time_s.txt").read_text())
+        assert 0 < cpu < 2 * wall  # one thread: the CPU time of the run's own process
+        check_cell(row["CPU min"], [cpu / 60])
+    text = (out / "results.md").read_text()
+    assert f"threshold {threshold:.3f}" in text.replace("Threshold", "threshold")
+    assert text.startswith("`python benchmarks/compare.py --algos grpo nft")  # the caption holds the command
 
     image = Image.open(out / "compare.png")
     image.verify()
@@ -126,6 +137,8 @@ def test_first_reach_and_ticks():
 
 def test_bad_flags():
     result = run_script("benchmarks/compare.py", "--algos", "grpo", "ppo", check=False)
-    assert result.returncode == 2 and "error: unknown --algos ppo; choose from: awm, grpo" in result.stderr
-    result = run_script("benchmarks/compare.py", "--budget", "8", check=False)
-    assert result.returncode == 2 and "less than one epoch of M·K = 16 samples" in result.stderr
+    assert result.returncode == 2 and "error: unknown --algos ppo; choose from: awm, crd, dgpo, dpo, grpo" in result.stderr
+    result = run_script("benchmarks/compare.py", "--algos", "grpo", "--budget", "8", check=False)
+    assert result.returncode == 2 and "less than one epoch of grpo's M·K" in result.stderr, result.stderr
+    result = run_script("benchmarks/compare.py", "--extra-args=--seed 3", check=False)
+    assert result.returncode == 2 and "--extra-args sets --seed" in result.stderr, result.stderr
