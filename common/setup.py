@@ -305,10 +305,15 @@ def evaluate(run: Run, epoch: int) -> dict:
 
 def log_epoch(run: Run, metrics: dict, show: list[str], bar=None) -> None:
     """Check that the losses, rewards and gradient norm are finite (else stop, before writing), then append the
-    epoch to metrics.jsonl, send it to the trackers and print the `show` keys."""
+    epoch to metrics.jsonl, send it to the trackers and print the `show` keys (and, beside eval_reward_mean, the
+    held-out success rate `eval_<reward>_strict` of rewards that have one, e.g. the toy world's)."""
     check_finite(metrics)
     run.metrics_log.log(metrics)
     if run.accelerator.is_main_process:
+        if "eval_reward_mean" in show:
+            at = show.index("eval_reward_mean") + 1
+            strict = [k for k in metrics if k.startswith("eval_") and k.endswith("_strict") and k not in show]
+            show = show[:at] + strict + show[at:]
         line = format_metrics(metrics, show)
         bar.write(line) if bar is not None else print(line, flush=True)
 

@@ -92,7 +92,9 @@ class ShadowPolicy:
 
     @torch.no_grad()
     def blend(self, decay: float) -> None:
-        """shadow ← decay·shadow + (1 − decay)·θ."""
+        """shadow ← decay·shadow + (1 − decay)·θ, for decay in [0, 1] (outside it the lerp would extrapolate)."""
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"ShadowPolicy.blend: decay must be in [0, 1], got {decay}")
         for s, p in self.pairs:
             s.lerp_(p.detach().float(), 1.0 - decay)
 

@@ -57,6 +57,13 @@ def test_weightings_equal_a_float64_computation(weighting, power):
     np.testing.assert_allclose(log_prob.numpy(), expected, rtol=1e-12, atol=1e-15)
 
 
+
+def test_default_weighting_is_the_authors_ghuber():
+    """Every configuration AWM's authors ship uses ghuber with p = 0.25; the paper presets inherit it (only the tiny
+    preset picks uniform, documented there)."""
+    assert (awm.Args().weighting, awm.Args().ghuber_power) == ("ghuber", 0.25)
+    assert all("weighting" not in preset for name, preset in awm.PRESETS.items() if name.startswith("flux1"))
+
 @pytest.mark.parametrize("weighting", ["uniform", "t", "t2", "huber", "ghuber"])
 def test_on_policy_ratio_is_one_and_the_gradient_is_that_of_mean_a_logp(weighting):
     v, target, sigma, adv = _toy()

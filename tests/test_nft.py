@@ -109,6 +109,13 @@ def test_presets_hold_the_papers_schedules():
         == (75, 0.0075, 0.999, 0.1, 2)
 
 
+def test_default_time_sampling_is_the_references_uniform_subset():
+    """DiffusionNFT drops ⌊0.01·N⌋+ steps uniformly at random per sample; the stratified pick (always keeping steps
+    0..7 of N = 10, T = 9) is an option, not the default; no paper preset overrides it."""
+    assert nft.Args().time_sampling == "discrete_random"
+    assert all("time_sampling" not in preset for name, preset in nft.PRESETS.items() if name.startswith("flux1"))
+
+
 def test_old_adapter_blends_and_switches_on_the_same_transformer(tiny_flux_path):
     from common.models import load_adapter
     from common.shadow import ShadowPolicy
@@ -140,6 +147,9 @@ def test_old_adapter_blends_and_switches_on_the_same_transformer(tiny_flux_path)
     old.blend(0.0)
     assert torch.equal(old.velocity(x, 0.6, cond, 3.5), v_theta)
     assert transformer.active_adapters() == ["default"]
+    for decay in (-0.1, 1.5):  # a lerp outside [0, 1] would extrapolate past θ or the shadow
+        with pytest.raises(ValueError, match="decay must be in"):
+            old.blend(decay)
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +261,7 @@ def _error_of(*args):
 @pytest.mark.parametrize("flags,message", [
     (["--dynamics", "langevin"], "'--dynamics'. Expected one of ('dpm', 'ode', 'flow-sde', 'dance-sde', 'cps')"),
     (["--train-timesteps", "7"], "--train-timesteps 7 exceeds the 6 rollout steps that discrete_random may pick"),
-    (["--preset", "huge"], "unknown preset 'huge'; choose one of: none, tiny, flux1, flux1-ocr"),
+    (["--preset", "huge"], "unknown preset 'huge'; choose one of: none, toy, tiny, flux1, flux1-ocr"),
     (["--model", "sd3", "--guidance-scale", "4.5"], "nft is CFG-free: --guidance-scale 4.5 would turn on"),
 ])
 def test_bad_input_gives_one_line_error(tmp_path, flags, message):
