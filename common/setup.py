@@ -2,6 +2,7 @@
 rewards, model, LoRA or full fine-tuning, frozen policies, optimizer, `prepare`, resume) returns a `Run`; then
 `optimizer_step`, `evaluate`, `log_epoch` and `save` are called from the script's own loop, which they never own."""
 
+import atexit
 import copy
 import os
 import time
@@ -65,6 +66,8 @@ class Run:
 def _check_output_dir(output_dir: Path) -> None:
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"--output-dir {output_dir} is a file, not a folder")
+    if not output_dir.exists():  # a run that stops before writing anything leaves no empty folder behind
+        atexit.register(_remove_if_empty, output_dir)
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         probe = output_dir / f".write_test.{os.getpid()}"  # the processes of a launch check at the same moment
@@ -72,6 +75,13 @@ def _check_output_dir(output_dir: Path) -> None:
         probe.unlink()
     except OSError as err:
         raise UserError(f"--output-dir {output_dir} is not writable ({err.strerror})") from None
+
+
+def _remove_if_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()  # only succeeds when empty (another process of the launch may have removed it already)
+    except OSError:
+        pass
 
 
 def _find_resume(args, output_dir: Path, rank: int):

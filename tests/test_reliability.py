@@ -253,7 +253,7 @@ def test_bad_input_gives_one_line_and_writes_nothing(tiny_flux_path, tmp_path, c
     if case == "output is a file":
         assert out.read_text() == "notes"
     elif case != "output not writable":
-        assert not out.exists() or not any(out.iterdir())
+        assert not out.exists()  # not even an empty folder (seen left behind by a failed model load)
 
 
 def test_preprocess_bad_shard_size_leaves_nothing(tmp_path):
