@@ -197,15 +197,13 @@ def test_theta_old_frozen_by_the_decay_stays_the_reference(tmp_path, two_epoch_r
     assert abs(metrics[0]["reward_mean"] - read_metrics(two_epoch_run)[0]["reward_mean"]) > 1e-4
 
 
-@pytest.mark.parametrize("flags, seed", [([], 2), (["--dynamics", "cps", "--noise-level", "0.5", "--learning-rate",
-                                                     "3e-2"], 1)], ids=["dpm", "cps"])
-def test_reward_rises_on_tiny_flux(tmp_path, flags, seed):
+def test_reward_rises_on_tiny_flux(tmp_path):
     """Fixed seed, the tiny preset (50 epochs, DPM-Solver++ rollouts): the mean JPEG reward of the last 10 epochs
     beats the first 10's by > 0.3 kB. Seen with the default discrete_random time sampling on the 2-core AMD EPYC of
     CI (2026-12-01): +0.25/+0.75/+0.84 for seeds 1-3 (where this was first written: +0.46/+0.78/+0.84; a tiny
-    model's trajectory follows the CPU's float rounding); cps rollouts (η 0.5, lr 3e-2, where lr 5e-2 stalled one
-    seed): +0.52 to +0.67 over seeds 1-3 with the stratified pick."""
-    run_script("algos/nft.py", *TINY, *flags, "--seed", seed, "--eval-every", "0", "--output-dir", tmp_path)
+    model's trajectory follows the CPU's float rounding). (A cps-rollout variant, +0.52 to +0.67 over seeds 1-3 at
+    η 0.5 and lr 3e-2, was dropped to keep the suite's time; cps steps are tested in test_dynamics.py.)"""
+    run_script("algos/nft.py", *TINY, "--seed", "2", "--eval-every", "0", "--output-dir", tmp_path)
     rewards = [m["reward_mean"] for m in read_metrics(tmp_path)]
     first, last = np.mean(rewards[:10]), np.mean(rewards[-10:])
     print(f"first-10 mean {first:.3f} kB, last-10 mean {last:.3f} kB")
