@@ -35,3 +35,21 @@ def test_one_epoch(script, model, tmp_path):
     if "ratio_dev_first" in metrics:
         assert metrics["ratio_dev_first"] < 1e-6
     assert (tmp_path / "checkpoints" / "epoch_000000" / "pytorch_lora_weights.safetensors").exists()
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_paper_preset_sets_its_reward(script):
+    """A preset named after a paper's setting trains on that paper's reward (flux1-flowgrpo once trained on JPEG
+    unless --reward was added); the toy presets on the toy world's."""
+    import runpy
+
+    from conftest import REPO
+
+    presets = runpy.run_path(str(REPO / "algos" / f"{script}.py"))["PRESETS"]
+    for name, preset in presets.items():
+        if name.endswith("-ocr"):
+            assert preset.get("reward") == ["ocr"], (name, preset.get("reward"))
+        elif name.startswith("flux1"):  # PickScore, or OCR where the paper's headline setting is OCR (crd)
+            assert preset.get("reward") in (["pickscore"], ["ocr"]), (name, preset.get("reward"))
+        if name == "toy":
+            assert preset["reward"] == ["toy"] and preset["model_path"] == "toy", name
