@@ -54,8 +54,6 @@ reward's own scale: pickscore here is logit_scale·cos/26, and the 0.10 default 
       nft flux1 awm flux1 dpo flux1 dgpo flux1 crd flux1 --launcher "accelerate launch --num_processes 8" \\
       --jobs 1 --seeds 1 2 3
 """
-import contextlib
-import io
 import json
 import math
 import os
@@ -73,7 +71,7 @@ import numpy as np
 import tyro
 from PIL import Image, ImageDraw, ImageFont
 
-from common.cli import _one_line
+from common.cli import cli_one_line
 from common.utils import UserError, install_user_error_hook
 
 REPO = Path(__file__).resolve().parent.parent
@@ -591,15 +589,8 @@ def check_flags(args: Args):
 
 
 def parse_flags() -> Args:
-    """The command line as Args; tyro's boxed errors become one-line UserErrors, as in the scripts."""
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured):
-            args = tyro.cli(Args, description=__doc__)
-    except SystemExit as exit:
-        if exit.code in (0, None):
-            raise
-        raise UserError(_one_line(captured.getvalue())) from None
+    """The command line as Args (tyro's boxed errors as one-line UserErrors, as in the scripts), checked."""
+    args = cli_one_line(Args, description=__doc__)
     check_flags(args)
     return args
 

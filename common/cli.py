@@ -134,6 +134,18 @@ def _preset_lines(presets: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def cli_one_line(args_class, **tyro_kwargs):
+    """tyro.cli, with its boxed usage error turned into a one-line UserError (--help still prints and exits 0)."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            return tyro.cli(args_class, **tyro_kwargs)
+    except SystemExit as exit:
+        if exit.code in (0, None):
+            raise
+        raise UserError(_one_line(captured.getvalue())) from None
+
+
 def _one_line(message: str) -> str:
     """tyro's boxed error message as one line: the text above the box's first rule, with `see --help`."""
     lines = []
@@ -170,14 +182,7 @@ def parse_args(args_class, presets: dict[str, dict] | None = None, description: 
         default = replace(default, preset=name, **presets[name])
         description = (f"{description}\n\n{NON_FINITE_NOTE}\n\nPresets (named defaults; flags override them):\n"
                        f"{_preset_lines(presets)}")
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured):
-            args = tyro.cli(args_class, default=default, args=argv, description=description)
-    except SystemExit as exit:
-        if exit.code in (0, None):
-            raise
-        raise UserError(_one_line(captured.getvalue())) from None
+    args = cli_one_line(args_class, default=default, args=argv, description=description)
     if getattr(args, "exp_name", None) == "":
         args.exp_name = Path(sys.argv[0]).stem
     (check or check_args)(args)

@@ -1,10 +1,11 @@
 """Every algorithm script × every model: one tiny epoch each, through the scripts' own command line."""
 
 import math
+import runpy
 
 import pytest
 
-from conftest import read_metrics, run_script
+from conftest import REPO, read_metrics, run_script
 
 SCRIPTS = ["grpo", "grpo_guard", "mixgrpo", "nft", "awm", "dpo", "dgpo", "crd"]
 # The smallest settings each tiny model takes: one group of 4 in one micro-batch, 4 (MixGRPO: 6) steps.
@@ -41,10 +42,6 @@ def test_one_epoch(script, model, tmp_path):
 def test_every_paper_preset_sets_its_reward(script):
     """A preset named after a paper's setting trains on that paper's reward (flux1-flowgrpo once trained on JPEG
     unless --reward was added); the toy presets on the toy world's."""
-    import runpy
-
-    from conftest import REPO
-
     presets = runpy.run_path(str(REPO / "algos" / f"{script}.py"))["PRESETS"]
     for name, preset in presets.items():
         if name.endswith("-ocr"):

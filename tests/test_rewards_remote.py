@@ -1,7 +1,6 @@
 """Remote rewards: round trips to the reference server on 127.0.0.1 (bounded request counts), server errors,
 a server that is down, and the server's command line."""
 
-import socket
 import subprocess
 import sys
 import threading
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from common.utils import UserError
-from conftest import REPO
+from conftest import REPO, free_port
 from rewards import load_rewards, score_samples
 from rewards.clip import build_tiny_clip
 from rewards.server import make_server
@@ -43,12 +42,6 @@ class serving:
 
 def images_on_grid(count, seed=0):
     return torch.randint(0, 256, (count, 3, 36, 36), generator=torch.Generator().manual_seed(seed)).float() / 255
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_round_trip_matches_local_scores(clip_dir):

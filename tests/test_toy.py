@@ -137,8 +137,7 @@ def test_shipped_model_held_out_score(toy_adapter):
 def test_nft_toy_preset_raises_held_out_strict_success(tmp_path):
     """The README's demo, shortened: nft.py --preset toy, seed 1, 30 of its 50 epochs, evaluated after epochs 0 and
     29 on all 36 held-out prompts × 4 seeds. Strict success must rise by more than 0.07 and be printed. Seen on
-    CI's 2-core CPU (2026-12-02): 0.410 → 0.535 after 31 epochs of seed 1, 0.438 → 0.556 of seed 2 (50 epochs:
-    0.639 and see docs/toy-world.md)."""
+    CI's 2-core CPU (2026-12-02): 0.410 → 0.542, 5.2 CPU-minutes (the whole 50 epochs: 0.667; docs/toy-world.md)."""
     result = run_script("algos/nft.py", "--preset", "toy", "--epochs", "30", "--eval-every", "29", "--save-every", "0",
                         "--output-dir", tmp_path, timeout=1200)
     evals = [m for m in read_metrics(tmp_path) if "eval_toy_strict" in m]
