@@ -80,9 +80,10 @@ class Args(TrainArgs):
 
 PRESETS = {
     # The toy world (docs/toy-world.md): NFT's toy setting (LoRA r16/α16 at lr 1e-3, 8 prompts × 8 samples, 4 of 8
-    # DPM-Solver steps trained, KL 0.1 to the pretrained model) with AWM's own ghuber weighting.
-    "toy": dict(TOY_WORLD, epochs=50, prompts_per_epoch=8, group_size=8, batch_size=16, num_steps=8,
-                train_timesteps=4, learning_rate=1e-3, lora_rank=16, lora_alpha=16, kl_beta=0.1, eval_every=10,
+    # DPM-Solver steps trained, KL 0.1 to the pretrained model, 4 optimizer steps per epoch, 30 epochs) with AWM's
+    # own ghuber weighting.
+    "toy": dict(TOY_WORLD, epochs=30, prompts_per_epoch=8, group_size=8, batch_size=16, updates_per_epoch=4,
+                num_steps=8, train_timesteps=4, learning_rate=1e-3, lora_rank=16, lora_alpha=16, kl_beta=0.1, eval_every=10,
                 save_every=10),
     # The embedded tiny FLUX.1 on a CPU: a ~80k-parameter model needs ~100× the papers' lr (docs/tiny-models.md).
     # 6 rollout steps, 5 trained σ's and no KL to the reference keep an epoch at ~0.3 s. Uniform weighting: at this

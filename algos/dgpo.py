@@ -72,7 +72,9 @@ class Args(TrainArgs):
 PRESETS = {
     # The toy world (docs/toy-world.md): NFT's toy scale (LoRA r16/α16 at lr 1e-3, 8 prompts × 8 samples, 8
     # DPM-Solver steps, 4 trained of steps 0..5) with the tiny preset's β_dpo 2 and a KL 0.1 to the pretrained model.
-    "toy": dict(TOY_WORLD, epochs=50, prompts_per_epoch=8, group_size=8, batch_size=16, num_steps=8,
+    # DGPO takes one optimizer step per epoch, so 4 prompts × 8 per epoch: twice the steps of 8 × 8 for the same
+    # samples (768 samples: +0.06 against +0.03, seed 1).
+    "toy": dict(TOY_WORLD, epochs=60, prompts_per_epoch=4, group_size=8, batch_size=16, num_steps=8,
                 train_timesteps=4, trunc_steps=5, learning_rate=1e-3, lora_rank=16, lora_alpha=16, beta_dpo=2.0,
                 kl_beta=0.1, eval_every=10, save_every=10),
     # The embedded tiny FLUX.1 on a CPU: a ~80k-parameter model needs ~100× the papers' lr (docs/tiny-models.md).

@@ -1,20 +1,24 @@
 """Every algorithm in algos/ on one task, N seeds each: a metric against wall-clock and against samples seen.
 
-Default: the toy world (common/toy.py, rewards/toy.py, data/toy/), a CPU-sized GenEval: every script of algos/ ×
-seeds 1 2 3, each with its own `--preset toy` (the pretrained 2.7 MB FLUX.1 `--model-path toy`, `--dataset
-data/toy`, `--reward toy`, 32 px, 16 text tokens, and that algorithm's own M, K, steps, lr, clip, epochs, ...),
-compared on `eval_toy_strict`, the held-out GenEval-style success rate (all 36 test prompts × 4 fixed seeds):
+Default: the toy race. The toy world (common/toy.py, rewards/toy.py, data/toy/) is a CPU-sized GenEval; every
+script of algos/ × seeds 1 2 3 runs its own `--preset toy` (the pretrained 2.7 MB FLUX.1 `--model-path toy`,
+`--dataset data/toy`, `--reward toy`, 32 px, 16 text tokens, and that algorithm's own M, K, steps, lr, clip, ...)
+for 768 rollout samples, compared on `eval_toy_strict`, the held-out GenEval-style success rate (all 36 test
+prompts × 4 fixed seeds), in about 20 minutes on 2 cores:
   python benchmarks/compare.py
+768 samples are the first ~2 CPU-minutes of each preset (12 of NFT's 50 epochs, 6 of GRPO's 100): the race
+measures how fast each algorithm starts, not where it ends. The presets' own lengths (`--budget None`: 50-100
+epochs, 4-14 CPU-minutes a run, ~2 hours for 24 runs on 2 cores) are where docs/toy-world.md's results come from.
 
 Each (algorithm, seed) runs as its own subprocess with OMP_NUM_THREADS=1, `--jobs` of them at a time (default 2:
 a 2-core machine runs two one-thread runs side by side). The task flags (--model, --model-path, --reward,
 --dataset, --resolution, --group-size K, --prompts-per-epoch M, --num-steps) are optional: unset, each preset
-keeps its own value; given, they are passed to every script and override its preset. The run length is each
-preset's own `epochs`, or with `--budget` (total rollout samples per run) budget // (M·K) of each algorithm's M·K
-(read from the script's PRESETS with the overrides applied). The evaluation (--eval-every, --eval-num-steps,
---eval-num-prompts, --eval-seeds) is always passed, the same for every algorithm. The references' efficiency
-claims this measures side by side: DiffusionNFT (arXiv:2509.16117) and AWM (arXiv:2509.25050) against Flow-GRPO
-(arXiv:2505.05470), MixGRPO (arXiv:2507.21802) against DanceGRPO.
+keeps its own value; given, they are passed to every script and override its preset. The run length is
+`--budget` (total rollout samples per run) // (M·K) of each algorithm's M·K (read from the script's PRESETS with the
+overrides applied), or with `--budget None` each preset's own `epochs`. The evaluation (--eval-every,
+--eval-num-steps, --eval-num-prompts, --eval-seeds) is always passed, the same for every algorithm. The
+references' efficiency claims this measures side by side: DiffusionNFT (arXiv:2509.16117) and AWM
+(arXiv:2509.25050) against Flow-GRPO (arXiv:2505.05470), MixGRPO (arXiv:2507.21802) against DanceGRPO.
 
 Measures (written to OUTPUT_DIR/results.md, summary.json and compare.png; each run's folder also holds
 stdout.log, stderr.log, wall_time_s.txt and cpu_time_s.txt):
@@ -29,8 +33,8 @@ stdout.log, stderr.log, wall_time_s.txt and cpu_time_s.txt):
   under a launcher), from os.wait4; "CPU min to threshold" estimates it as the run's CPU time × (training seconds
   to threshold / training seconds of the run);
 - base: the first point; final: the mean of the curve's last 10% of points (at least one); best: its maximum;
-- threshold: `--threshold` when given, else start + `--threshold-gain` (on the metric's own scale: 0.10 is ten
-  points of strict success), where start is the mean of the first `--start-points` points of every run (all
+- threshold: `--threshold` when given, else start + `--threshold-gain` (on the metric's own scale: the default
+  0.05 is five points of strict success), where start is the mean of the first `--start-points` points of every run (all
   algorithms and seeds: the same initial model);
 - epochs / samples / time to threshold: the first point where the trailing mean over `--smooth` points reaches
   the threshold; mean ± std over the seeds that reach it (the count is shown);
@@ -124,11 +128,13 @@ class Args:
     """M: prompts per epoch"""
     num_steps: int | None = None
     """sampling steps of the rollouts (e.g. NFT/AWM presets sample with fewer steps)"""
-    budget: int | None = None
-    """total rollout samples per run: epochs = budget // (M·K) of each algorithm (unset: each preset's epochs)"""
+    budget: int | None = 768
+    """total rollout samples per run: epochs = budget // (M·K) of each algorithm; `--budget None`: each preset's
+    own epochs. The default, 768 (12 epochs of the toy presets' 8×8, 6 of GRPO's 8×16), is what fits 8 algorithms ×
+    3 seeds in 20 minutes on 2 cores: the toy race, the first ~2 CPU-minutes of each preset"""
 
     # Evaluation: always passed, the same for every algorithm
-    eval_every: int = 5
+    eval_every: int = 4
     """evaluate every N epochs and after the last (the spacing of an evaluation curve)"""
     eval_num_steps: int = 8
     """Euler-ODE steps of evaluation"""
@@ -143,12 +149,13 @@ class Args:
     rollouts' own rewards)"""
     threshold: float | None = None
     """threshold on the metric (default: start + --threshold-gain)"""
-    threshold_gain: float = 0.10
+    threshold_gain: float = 0.05
     """threshold above the start (the mean of every run's first --start-points points) when --threshold is unset,
-    on the metric's own scale: 0.10 is ten points of the toy world's strict success rate"""
-    start_points: int = 2
+    on the metric's own scale: 0.05 is five points of the toy world's strict success rate (the default race is
+    short: the full toy presets gain 0.1-0.25 in 50-100 epochs, docs/toy-world.md)"""
+    start_points: int = 1
     """points per run averaged into the start"""
-    smooth: int = 3
+    smooth: int = 2
     """trailing-mean window (points) before comparing with the threshold"""
     warmup: int = 2
     """first epochs left out of the time-per-epoch means (first calls are slow)"""
