@@ -5,8 +5,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import read_metrics, run_script
-
 from common.models import load_adapter, resolve_model_path
 from common.sampling import sample, sample_generators
 from common.toy import (MAX_SEQUENCE_LENGTH, RESOLUTION, load_toy_split, parse_prompt, render, render_batch,
@@ -132,17 +130,3 @@ def test_shipped_model_held_out_score(toy_adapter):
     checks = ToyReward().checks(toy_adapter.decode(x0), prompts)
     assert checks["strict"].mean() == pytest.approx(PINNED["strict"], abs=0.02)
     assert checks["partial"].mean() == pytest.approx(PINNED["partial"], abs=0.01)
-
-
-def test_nft_toy_preset_raises_held_out_strict_success(tmp_path):
-    """The README's demo, shortened: nft.py --preset toy, seed 1, 30 of its 50 epochs, evaluated after epochs 0 and
-    29 on all 36 held-out prompts × 4 seeds. Strict success must rise by more than 0.07 and be printed. Seen on
-    CI's 2-core CPU (2026-12-02): 0.410 → 0.542, 5.2 CPU-minutes (the whole 50 epochs: 0.667; docs/toy-world.md)."""
-    result = run_script("algos/nft.py", "--preset", "toy", "--epochs", "30", "--eval-every", "29", "--save-every", "0",
-                        "--output-dir", tmp_path, timeout=1200)
-    evals = [m for m in read_metrics(tmp_path) if "eval_toy_strict" in m]
-    assert [m["epoch"] for m in evals] == [0, 29]
-    first, last = evals[0]["eval_toy_strict"], evals[-1]["eval_toy_strict"]
-    print(f"held-out strict success {first:.3f} -> {last:.3f}")
-    assert last - first > 0.07
-    assert result.stdout.count("eval_toy_strict=") + result.stderr.count("eval_toy_strict=") == 2
