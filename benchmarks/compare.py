@@ -46,8 +46,8 @@ that made it.
 
 CPU, the tiny FLUX.1 with the JPEG reward instead (each script's `tiny` preset; 2400 samples = 150 epochs):
   python benchmarks/compare.py --preset tiny --model-path tiny --reward jpeg_compressibility --resolution 64 \\
-      --group-size 8 --prompts-per-epoch 2 --budget 2400 --metric eval --threshold-gain 0.5 \\
-      --eval-num-prompts 8 --eval-seeds 1
+      --group-size 8 --prompts-per-epoch 2 --budget 2400 --metric eval --threshold-gain 0.5 --start-points 2 \\
+      --smooth 3 --eval-every 5 --eval-num-prompts 8 --eval-seeds 1
 
 GPU (published FLUX.1-dev, each paper's preset at one shared 512px/M=48/K=24 task, 8 processes per run, one run
 at a time, 100 epochs; set the budget to what you can afford, and add --threshold or --threshold-gain on the
