@@ -20,6 +20,16 @@ if "FLOWRL_CACHE" not in os.environ:
 os.environ.update(WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
 
 
+# The longest files first: `pytest -n 2 --dist loadfile` hands out whole files in collection order, and the
+# ~19 CPU-minutes of toy learning tests collected last would run alone at the end while the other worker idles.
+LONGEST_FIRST = ["test_toy_learning.py", "test_distributed.py"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def tiny_flux_path():
     from common.tiny import tiny_model_path

@@ -9,18 +9,18 @@ from conftest import read_metrics, run_script
 # Each script's `toy` preset with seed 1 for a stated number of epochs: held-out strict success (all 36 test prompts ×
 # 4 seeds) after the last epoch minus after epoch 0 must exceed the margin. The forward-process scripts run
 # benchmarks/compare.py's race exactly (768 samples: 12 epochs of 8×8, dgpo 24 of 4×8; evaluated every 4 epochs),
-# so the compare run's seed 1 is what they saw; the GRPO family stays flat over its first ~10-30 epochs and runs
-# longer, evaluated only at the ends. {script: (epochs, eval_every, margin, seen)}; seen on this project's 2-core AMD
-# EPYC CPU, 2026-12-02 (the GRPO family's from runs evaluated every 10 epochs, docs/toy-world.md).
+# so the compare run's seed 1 is what they saw; grpo_guard and mixgrpo, flat over their first 6 epochs, run 11,
+# evaluated at the ends. grpo is left out: its preset needs 40-50 epochs (~7 minutes of a CI core) to move.
+# {script: (epochs, eval_every, margin, seen)}; seen on this project's 2-core AMD EPYC CPU, 2026-12-02 (grpo_guard's
+# and mixgrpo's at epoch 10 of runs evaluated every 10 epochs, docs/toy-world.md).
 TOY_LEARNING = {
     "nft": (12, 4, 0.06, "0.396 -> 0.507"),
     "awm": (12, 4, 0.03, "0.396 -> 0.458"),
     "crd": (12, 4, 0.025, "0.431 -> 0.479"),
     "dpo": (12, 4, 0.025, "0.410 -> 0.458"),
     "dgpo": (24, 4, 0.03, "0.424 -> 0.486"),
-    "grpo": (51, 50, 0.05, "0.431 -> 0.535"),
-    "grpo_guard": (21, 20, 0.05, "0.417 -> 0.514"),
-    "mixgrpo": (31, 30, 0.04, "0.382 -> 0.472"),
+    "grpo_guard": (11, 10, 0.02, "0.417 -> 0.458"),
+    "mixgrpo": (11, 10, 0.03, "0.382 -> 0.438"),
 }
 
 
