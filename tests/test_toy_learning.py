@@ -1,6 +1,6 @@
-"""Every script's `toy` preset raises the held-out strict success of the shipped pretrained FLUX.1 (docs/toy-world.md),
-through the scripts' own command line. In a file of its own so that pytest-xdist (--dist loadfile) can run these
-long tests beside the rest of the suite."""
+"""Every script's `toy` preset but grpo's raises the held-out strict success of the shipped pretrained FLUX.1
+(docs/toy-world.md), through the scripts' own command line. A file of its own, which tests/conftest.py has
+collected first, so that pytest-xdist (--dist loadfile) starts these long tests first."""
 
 import pytest
 
