@@ -63,13 +63,13 @@ class Args(TrainArgs):
 PRESETS = {
     # The toy world (docs/toy-world.md): the pretrained 0.46M-parameter FLUX.1 on the CPU. LoRA r16/α16 at lr 1e-3
     # (2e-3, or r64/α128 at 1e-3, raised held-out strict success, then collapsed within 30-60 epochs as the KL to the
-    # reference blew up); 8 prompts × 8 samples per step; KL 0.1 keeps it near the pretrained model; 4 trained σ's
+    # reference blew up); 8 prompts × 8 samples per epoch; KL 0.1 keeps it near the pretrained model; 4 trained σ's
     # of 8 DPM-Solver steps halve the cost of the reference's ⌊0.99·N⌋ at no loss seen. Four optimizer steps per
     # epoch (16 samples each) instead of one: the same compute, 4× the updates; seeds 1 and 2 reached 0.61 and 0.58
     # by epoch 30 (one step per epoch: 0.54 and 0.56) and stayed there to 40.
     "toy": dict(TOY_WORLD, epochs=30, prompts_per_epoch=8, group_size=8, batch_size=16, updates_per_epoch=4,
-                num_steps=8, train_timesteps=4, learning_rate=1e-3, lora_rank=16, lora_alpha=16, kl_beta=0.1, eval_every=10,
-                save_every=10),
+                num_steps=8, train_timesteps=4, learning_rate=1e-3, lora_rank=16, lora_alpha=16, kl_beta=0.1,
+                eval_every=10, save_every=10),
     # The embedded tiny FLUX.1 on a CPU: a ~80k-parameter model needs ~100× the papers' lr (docs/tiny-models.md).
     # 6 rollout steps, 3 trained σ's and no KL keep an epoch at ~0.25 s.
     "tiny": dict(model_path="tiny", resolution=64, max_sequence_length=32, epochs=50, prompts_per_epoch=2,

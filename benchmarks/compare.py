@@ -6,9 +6,9 @@ script of algos/ × seeds 1 2 3 runs its own `--preset toy` (the pretrained 2.7 
 for 768 rollout samples, compared on `eval_toy_strict`, the held-out GenEval-style success rate (all 36 test
 prompts × 4 fixed seeds), in about 20 minutes on 2 cores:
   python benchmarks/compare.py
-768 samples are the first ~2 CPU-minutes of each preset (12 of NFT's 50 epochs, 6 of GRPO's 100): the race
-measures how fast each algorithm starts, not where it ends. The presets' own lengths (`--budget None`: 50-100
-epochs, 4-14 CPU-minutes a run, ~2 hours for 24 runs on 2 cores) are where docs/toy-world.md's results come from.
+768 samples are the first ~2 CPU-minutes of each preset (12 of NFT's 30 epochs, 6 of GRPO's 100): the race
+measures how fast each algorithm starts, not where it ends. The presets' own lengths (`--budget None`: 20-100
+epochs, 2-14 CPU-minutes a run, ~1.5 hours for 24 runs on 2 cores) are where docs/toy-world.md's results come from.
 
 Each (algorithm, seed) runs as its own subprocess with OMP_NUM_THREADS=1, `--jobs` of them at a time (default 2:
 a 2-core machine runs two one-thread runs side by side). The task flags (--model, --model-path, --reward,
@@ -51,7 +51,7 @@ CPU, the tiny FLUX.1 with the JPEG reward instead (each script's `tiny` preset; 
 
 GPU (published FLUX.1-dev, each paper's preset at one shared 512px/M=48/K=24 task, 8 processes per run, one run
 at a time, 100 epochs; set the budget to what you can afford, and add --threshold or --threshold-gain on the
-reward's own scale: pickscore here is logit_scale·cos/26, and the 0.10 default is meant for eval_toy_strict):
+reward's own scale: pickscore here is logit_scale·cos/26, and the 0.05 default is meant for eval_toy_strict):
   python benchmarks/compare.py --resolution 512 --reward pickscore --group-size 24 --prompts-per-epoch 48 \\
       --budget 115200 --metric eval --eval-every 10 --eval-num-steps 28 --eval-num-prompts 64 --eval-seeds 1 \\
       --preset none --algo-preset grpo flux1-flowgrpo grpo_guard flux1-grpo-guard mixgrpo flux1-mixgrpo \\
@@ -152,7 +152,7 @@ class Args:
     threshold_gain: float = 0.05
     """threshold above the start (the mean of every run's first --start-points points) when --threshold is unset,
     on the metric's own scale: 0.05 is five points of the toy world's strict success rate (the default race is
-    short: the full toy presets gain 0.1-0.25 in 50-100 epochs, docs/toy-world.md)"""
+    short: the full toy presets gain 0.10-0.18 in 20-100 epochs, docs/toy-world.md)"""
     start_points: int = 1
     """points per run averaged into the start"""
     smooth: int = 2
