@@ -11,7 +11,8 @@ measures how fast each algorithm starts, not where it ends. The presets' own len
 epochs, 2-14 CPU-minutes a run, ~1.5 hours for 24 runs on 2 cores) are where docs/toy-world.md's results come from.
 
 Each (algorithm, seed) runs as its own subprocess with OMP_NUM_THREADS=1, `--jobs` of them at a time (default 2:
-a 2-core machine runs two one-thread runs side by side). The task flags (--model, --model-path, --reward,
+a 2-core machine runs two one-thread runs side by side; after each algorithm's first run, the longest go first).
+The task flags (--model, --model-path, --reward,
 --dataset, --resolution, --group-size K, --prompts-per-epoch M, --num-steps) are optional: unset, each preset
 keeps its own value; given, they are passed to every script and override its preset. The run length is
 `--budget` (total rollout samples per run) // (M·K) of each algorithm's M·K (read from the script's PRESETS with the
@@ -261,9 +262,17 @@ def check_metric(key: str, metrics: list[dict], algo: str, seed: int):
                         f"{', '.join(keys)})")
 
 
+def next_run(algos: list[str], measured: dict[str, float]) -> int:
+    """Index of the run to start next among runs of `algos` waiting in seed-major order: an algorithm not yet
+    timed first (the earliest), then the one whose first run took longest (`measured`: wall seconds)."""
+    return max(range(len(algos)), key=lambda i: (algos[i] not in measured, measured.get(algos[i], 0.0), -i))
+
+
 def run_all(args: Args, plans: dict[str, Plan], out: Path) -> tuple[dict, dict, dict]:
-    """Every (algorithm, seed), seed-major (each algorithm's first seed comes early), reusing finished runs with
-    --reuse. Returns the metrics, wall seconds and CPU seconds of each run, by algorithm, in --seeds order."""
+    """Every (algorithm, seed), reusing finished runs with --reuse. Each algorithm's first run starts early
+    (seed-major); later runs go longest first by their algorithm's first measured wall time, so the short ones
+    fill the end instead of one long run finishing alone. Returns the metrics, wall seconds and CPU seconds of
+    each run, by algorithm, in --seeds order."""
     key, begin = metric_key(args), time.time()
     runs, wall, cpu, todo = {}, {}, {}, []
     for seed in args.seeds:
@@ -294,10 +303,24 @@ def run_all(args: Args, plans: dict[str, Plan], out: Path) -> tuple[dict, dict, 
         check_metric(key, read_metrics(run_dir), algo, seed)
         print(f"[{time.time() - begin:6.0f}s] {algo} seed {seed} done: {seconds:.0f} s wall, {cpu_seconds:.0f} s CPU",
               file=sys.stderr, flush=True)
+        return seconds
+
+    measured, queue_lock = {}, threading.Lock()
+
+    def worker():
+        while True:
+            with queue_lock:
+                if not todo or runner.stopping.is_set():
+                    return
+                item = todo.pop(next_run([algo for algo, *_ in todo], measured))
+            seconds = one(*item)
+            if seconds is not None:
+                with queue_lock:
+                    measured.setdefault(item[0], seconds)
 
     pool = ThreadPoolExecutor(max_workers=args.jobs)
     try:
-        pending = {pool.submit(one, *item) for item in todo}
+        pending = {pool.submit(worker) for _ in range(args.jobs)}
         while pending:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
             for future in done:

@@ -147,16 +147,16 @@ def cli_one_line(args_class, **tyro_kwargs):
 
 
 def _one_line(message: str) -> str:
-    """tyro's boxed error message as one line: the text above the box's first rule, with `see --help`."""
-    lines = []
-    for line in message.splitlines():
-        text = line.strip().strip("│╭╮╰╯").strip()
-        if text.startswith("─"):
-            if lines:
-                break
-            continue
-        if text and not text.startswith(("╭", "╰")) and "─" not in text[:2]:
-            lines.append(text)
+    """tyro's boxed error message as one line: the text between the box's first two rules, with `see --help`.
+    With a UTF-8 stdout the first rule is the box's top border, titled "╭─ Invalid choice ──╮"; otherwise (a pipe
+    under an ASCII locale) the title stands on a line of its own above a rule of "-"."""
+    def is_rule(text):
+        return text.startswith("─") or (len(text) >= 3 and set(text) == {"-"})
+
+    texts = [line.strip().strip("│╭╮╰╯").strip() for line in message.splitlines()]
+    rules = [i for i, text in enumerate(texts) if is_rule(text)]
+    inside = texts[rules[0] + 1:rules[1] if len(rules) > 1 else None] if rules else texts
+    lines = [text for text in inside if text and not is_rule(text)]
     return " ".join(" ".join(lines).split()) + " (see --help)"
 
 

@@ -80,6 +80,35 @@ def run_script(script: str, *args, check: bool = True, timeout: float = 600, lau
     return result
 
 
+def script_error(script: str, *args, env=None) -> str:
+    """The `error: ...` line a repo script prints for bad input, got by running it in this process (runpy, as
+    `python script args` from the repo root) until its UserError: no new interpreter, so a check that fires
+    before the models load costs milliseconds instead of seconds. The printing of that line and the exit status
+    2 of a real process are tested once per script in test_reliability.py."""
+    import contextlib
+    import io
+    import runpy
+
+    from common.utils import UserError
+
+    saved = sys.argv, sys.excepthook, dict(os.environ)
+    sys.argv = [str(REPO / script), *map(str, args)]
+    os.environ.update(env or {})
+    try:
+        with contextlib.chdir(REPO), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
+            runpy.run_path(str(REPO / script), run_name="__main__")
+    except UserError as error:
+        assert type(error) is UserError, f"{script}: {type(error).__name__}: {error}"
+        assert "\n" not in str(error), f"{script}: the error is not one line: {error!r}"
+        return f"error: {error}"
+    finally:
+        sys.argv, sys.excepthook = saved[:2]
+        os.environ.clear()
+        os.environ.update(saved[2])
+    raise AssertionError(f"{script} {' '.join(map(str, args))} ran without an error")
+
+
 def read_metrics(output_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines() if line]
 

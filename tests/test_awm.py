@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script
+from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script, script_error
 
 TINY = ["--preset", "tiny"]
 FAST = TINY + ["--epochs", "2", "--eval-every", "1", "--eval-num-prompts", "2"]
@@ -183,10 +183,7 @@ def test_full_finetune_with_an_ema_copy(tmp_path):
 
 
 def _error_of(*args):
-    result = run_script("algos/awm.py", *args, check=False)
-    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-    assert result.returncode != 0 and lines and lines[-1].startswith("error: "), result.stderr[-2000:]
-    return lines[-1]
+    return script_error("algos/awm.py", *args)
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -135,6 +135,21 @@ def test_first_reach_and_ticks():
     assert np.allclose(compare.nice_ticks(-3.61, -3.38), [-3.6, -3.55, -3.5, -3.45, -3.4])
 
 
+def test_next_run_starts_each_algorithm_once_then_the_longest():
+    spec = importlib.util.spec_from_file_location("compare", REPO / "benchmarks" / "compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    waiting = ["a", "b", "c", "a", "b", "c"]  # seeds 1 and 2, seed-major
+    assert compare.next_run(waiting, {}) == 0
+    assert compare.next_run(waiting, {"a": 5.0}) == 1  # b is not timed yet: its first run before a's second
+    measured = {"a": 5.0, "b": 9.0, "c": 1.0}
+    order = []
+    waiting = ["a", "b", "c"]
+    while waiting:
+        order.append(waiting.pop(compare.next_run(waiting, measured)))
+    assert order == ["b", "a", "c"]
+
+
 def test_bad_flags():
     result = run_script("benchmarks/compare.py", "--algos", "grpo", "ppo", check=False)
     assert result.returncode == 2 and "error: unknown --algos ppo; choose from: awm, crd, dgpo, dpo, grpo" in result.stderr

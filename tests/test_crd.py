@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script
+from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script, script_error
 
 TINY = ["--preset", "tiny"]
 # KL on (reward-adaptive) and both snapshots moving from the first epoch on, so resume has state to restore.
@@ -256,10 +256,7 @@ def test_two_processes(tmp_path, two_epoch_run):
 
 
 def _error_of(*args):
-    result = run_script("algos/crd.py", *args, check=False)
-    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-    assert result.returncode == 2 and lines and lines[-1].startswith("error: "), result.stderr[-2000:]
-    return lines[-1]
+    return script_error("algos/crd.py", *args)
 
 
 @pytest.mark.parametrize("flags,message", [  # (process starts are the cost here: a few representative cases)

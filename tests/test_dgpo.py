@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script
+from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script, script_error
 
 TINY = ["--preset", "tiny"]
 # A micro-batch of 4 is below K = 8: training micro-batches are then one whole group, on 1 and on 2 processes. The
@@ -230,10 +230,7 @@ def test_reward_rises_on_tiny_flux(tmp_path):
 
 
 def _error_of(*args):
-    result = run_script("algos/dgpo.py", *args, check=False)
-    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-    assert result.returncode == 2 and lines and lines[-1].startswith("error: "), result.stderr[-2000:]
-    return lines[-1]
+    return script_error("algos/dgpo.py", *args)
 
 
 @pytest.mark.parametrize("flags,message", [

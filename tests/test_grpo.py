@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script
+from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script, script_error
 
 TINY = ["--preset", "tiny"]
 FAST = TINY + ["--epochs", "2", "--eval-every", "1", "--eval-num-prompts", "2"]
@@ -121,12 +121,8 @@ def test_two_processes(tmp_path):
     assert (two / "checkpoints" / "epoch_000001" / "rng_1.pt").exists()
 
 
-def _error_of(*args, **kwargs):
-    result = run_script("algos/grpo.py", *args, check=False, **kwargs)
-    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-    assert result.returncode != 0
-    assert lines and lines[-1].startswith("error: "), result.stderr[-2000:]
-    return lines[-1]
+def _error_of(*args):
+    return script_error("algos/grpo.py", *args)
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -141,6 +137,7 @@ def _error_of(*args, **kwargs):
     (["--learning-rate", "-1"], "--learning-rate must be positive, got -1.0"),
     (["--max-sequence-length", "0"], "--max-sequence-length must be at least 1, got 0"),
     (["--epochs", "0"], "--epochs must be at least 1, got 0"),
+    (["--epochs", "-2"], "--epochs must be at least 1, got -2"),
 ])
 def test_bad_input_gives_one_line_error(tmp_path, flags, message):
     assert message in _error_of(*TINY, "--epochs", "1", "--output-dir", tmp_path / "out", *flags)
@@ -160,7 +157,8 @@ def test_existing_run_and_nan_reward_leave_outputs_intact(two_epoch_run, tmp_pat
     out = tmp_path / "run"
     shutil.copytree(two_epoch_run, out)
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    assert "already holds a run: pass --resume" in _error_of(*FAST, "--output-dir", out)
+    refused = run_script("algos/grpo.py", *FAST, "--output-dir", out, check=False)  # a process: setup refuses it
+    assert refused.returncode == 2 and "already holds a run: pass --resume" in refused.stderr.splitlines()[-1]
     # A reward that returns NaN, registered the way a user extension would, on a resumed run.
     wrapper = ("import runpy, sys, numpy as np, rewards; "
                "rewards.REWARDS['broken'] = (lambda device, dtype: (lambda images, prompts: "

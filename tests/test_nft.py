@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script
+from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script, script_error
 
 TINY = ["--preset", "tiny"]
 FAST = TINY + ["--epochs", "2", "--eval-every", "1", "--eval-num-prompts", "2", "--kl-beta", "1e-4"]
@@ -250,10 +250,7 @@ def test_full_finetune_runs_with_frozen_copies(tmp_path):
 
 
 def _error_of(*args):
-    result = run_script("algos/nft.py", *args, check=False)
-    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-    assert result.returncode != 0 and lines and lines[-1].startswith("error: "), result.stderr[-2000:]
-    return lines[-1]
+    return script_error("algos/nft.py", *args)
 
 
 @pytest.mark.parametrize("flags,message", [
