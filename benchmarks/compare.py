@@ -4,9 +4,9 @@ Default: the toy race. The toy world (common/toy.py, rewards/toy.py, data/toy/) 
 script of algos/ × seeds 1 2 3 runs its own `--preset toy` (the pretrained 2.7 MB FLUX.1 `--model-path toy`,
 `--dataset data/toy`, `--reward toy`, 32 px, 16 text tokens, and that algorithm's own M, K, steps, lr, clip, ...)
 for 768 rollout samples, compared on `eval_toy_strict`, the held-out GenEval-style success rate (all 36 test
-prompts × 4 fixed seeds), in about 20 minutes on 2 cores:
+prompts × 4 fixed seeds), in 12-20 minutes on 2 cores (23-38 CPU-minutes, as fast as the machine):
   python benchmarks/compare.py
-768 samples are the first ~2 CPU-minutes of each preset (12 of NFT's 30 epochs, 6 of GRPO's 100): the race
+768 samples are the first 1-2 CPU-minutes of each preset (12 of NFT's 30 epochs, 6 of GRPO's 100): the race
 measures how fast each algorithm starts, not where it ends. The presets' own lengths (`--budget None`: 20-100
 epochs, 2-14 CPU-minutes a run, ~1.5 hours for 24 runs on 2 cores) are where docs/toy-world.md's results come from.
 
@@ -132,7 +132,7 @@ class Args:
     budget: int | None = 768
     """total rollout samples per run: epochs = budget // (M·K) of each algorithm; `--budget None`: each preset's
     own epochs. The default, 768 (12 epochs of the toy presets' 8×8, 6 of GRPO's 8×16), is what fits 8 algorithms ×
-    3 seeds in 20 minutes on 2 cores: the toy race, the first ~2 CPU-minutes of each preset"""
+    3 seeds in 12-20 minutes on 2 cores: the toy race, the first 1-2 CPU-minutes of each preset"""
 
     # Evaluation: always passed, the same for every algorithm
     eval_every: int = 4

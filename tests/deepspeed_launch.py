@@ -6,8 +6,7 @@
 accelerate uses DeepSpeed only on accelerators (on CPU it silently runs DDP). This wrapper lets the script's
 `Accelerator(cpu=True)` set up its gloo process group, then switches the accelerator's state to DeepSpeed with
 the plugin the config file's deepspeed_config describes, as `AcceleratorState` does on GPUs. From then on
-accelerate's own code runs: `prepare` calls deepspeed.initialize (ZeRO on DeepSpeed's CPU accelerator, which
-JIT-compiles a small communication op on first use), `backward` runs the engine's backward and, at
+accelerate's own code runs: `prepare` calls deepspeed.initialize (ZeRO on DeepSpeed's CPU accelerator), `backward` runs the engine's backward and, at
 accumulation boundaries, its optimizer step; `clip_grad_norm_` and `no_sync` take their DeepSpeed branches.
 The script itself runs unchanged (runpy); on exit the wrapper prints the engine and ZeRO stage it ran with.
 """
@@ -19,6 +18,13 @@ import sys
 from accelerate import Accelerator, PartialState
 from accelerate.commands.config.config_args import ClusterConfig
 from accelerate.utils import DeepSpeedPlugin, DistributedType
+
+import deepspeed.ops
+
+# DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce op (deepspeed_shm_comm) the first time a
+# machine uses it: over a CPU-minute of C++ per fresh CI machine. GPUs never use that op (NCCL does their
+# collectives); marked incompatible here, DeepSpeed's collectives go through torch.distributed (gloo on CPU).
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 # deepspeed_config keys of an accelerate config file that are DeepSpeedPlugin fields of the same name
 _PLUGIN_FIELDS = ("zero_stage", "gradient_accumulation_steps", "gradient_clipping", "offload_optimizer_device",
