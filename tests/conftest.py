@@ -21,7 +21,7 @@ os.environ.update(WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"
 
 
 # The longest files first: `pytest -n 2 --dist loadfile` hands out whole files in collection order, and the
-# ~12 CPU-minutes of toy learning tests collected last would run alone at the end while the other worker idles.
+# toy learning tests (8-15 CPU-minutes) collected last would run alone at the end while the other worker idles.
 LONGEST_FIRST = ["test_toy_learning.py", "test_distributed.py"]
 
 
