@@ -84,7 +84,8 @@ def script_error(script: str, *args, env=None) -> str:
     """The `error: ...` line a repo script prints for bad input, got by running it in this process (runpy, as
     `python script args` from the repo root) until its UserError: no new interpreter, so a check that fires
     before the models load costs milliseconds instead of seconds. The printing of that line and the exit status
-    2 of a real process are tested once per script in test_reliability.py."""
+    2 of a real process are tested on real processes in test_reliability.py (grpo, grpo_guard) and test_dpo.py;
+    every script installs the same hook (common.cli.parse_args)."""
     import contextlib
     import io
     import runpy

@@ -6,8 +6,9 @@
 accelerate uses DeepSpeed only on accelerators (on CPU it silently runs DDP). This wrapper lets the script's
 `Accelerator(cpu=True)` set up its gloo process group, then switches the accelerator's state to DeepSpeed with
 the plugin the config file's deepspeed_config describes, as `AcceleratorState` does on GPUs. From then on
-accelerate's own code runs: `prepare` calls deepspeed.initialize (ZeRO on DeepSpeed's CPU accelerator), `backward` runs the engine's backward and, at
-accumulation boundaries, its optimizer step; `clip_grad_norm_` and `no_sync` take their DeepSpeed branches.
+accelerate's own code runs: `prepare` calls deepspeed.initialize (ZeRO on DeepSpeed's CPU accelerator),
+`backward` runs the engine's backward and, at accumulation boundaries, its optimizer step; `clip_grad_norm_` and
+`no_sync` take their DeepSpeed branches.
 The script itself runs unchanged (runpy); on exit the wrapper prints the engine and ZeRO stage it ran with.
 """
 
