@@ -3,7 +3,7 @@
 # (negated, weighted) matching loss, so any sampler works and only x0 is kept.
 # Paper: Xue et al., "Advantage Weighted Matching: Aligning RL with Pretraining in Diffusion Models",
 # arXiv:2509.25050. Differs from nft.py (the other forward-process script): a clipped ratio of matching-loss
-# "log-probs", an EMA of θ as KL anchor and optional off-policy sampler, zero-advantage samples dropped.
+# "log-probs", an EMA of θ as KL anchor and optional off-policy sampler; every sample trained, zero advantage too.
 # The reference's SA-Solver rollout is not implemented: use ode, dpm or an SDE. Math: docs/algorithms.md §5.
 import time
 from dataclasses import dataclass
@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
-from common.advantages import compute_advantages
+from common.advantages import compute_advantages, trained_samples
 from common.cli import TrainArgs, parse_args
 from common.data import epoch_samples
 from common.distributed import micro_step
@@ -73,9 +73,10 @@ class Args(TrainArgs):
     """EMA decay after k optimizer steps: d = min(ema_max_decay, ema_decay_rate·k) …"""
     ema_max_decay: float = 0.3
     """… capped here; ema ← d·ema + (1 − d)·θ once after every epoch"""
-    keep_zero_advantage: bool = False
-    """also train on samples whose advantage is exactly 0 (groups whose K rewards are equal); they carry no policy
-    gradient, so by default they are dropped before training, as AWM does"""
+    drop_zero_advantage: bool = False
+    """variant: drop the samples of groups whose K rewards are equal (advantage 0) before training. AWM's reference
+    trains them (its filter is commented out): they carry no policy gradient but do carry the KL and EMA-KL terms,
+    and dropping a share f of samples scales the policy gradient by 1/(1 − f)"""
 
 
 PRESETS = {
@@ -187,8 +188,8 @@ if __name__ == "__main__":
         all_raw, all_ids = score_epoch(run, torch.cat(images), records, group_ids)
         advantages, adv_stats = compute_advantages(all_raw, [r.weight for r in run.rewards], all_ids,
                                                    args.advantage_aggregation, args.global_std, args.adv_clip_max)
-        # A = 0 (a group whose K rewards are equal) has no policy gradient: drop it, keeping equal micro-step counts.
-        keep = torch.ones_like(advantages, dtype=torch.bool) if args.keep_zero_advantage else advantages != 0
+        # Every sample is trained, as AWM's reference does: A = 0 samples still carry the KL and EMA-KL terms.
+        keep = trained_samples(adv_stats, keep_zero_advantage=not args.drop_zero_advantage)
         plan = plan_micro_batches(keep, run.accelerator.num_processes, run.accelerator.process_index,
                                   args.batch_size, args.updates_per_epoch)
         advantages = (advantages[run.local] / args.adv_clip_max).to(device)  # AWM scales A into [−1, 1]

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from common.advantages import compute_advantages
+from common.advantages import compute_advantages, trained_samples
 from common.cli import TrainArgs, parse_args
 from common.data import epoch_samples
 from common.distributed import micro_step
@@ -61,8 +61,8 @@ class Args(TrainArgs):
     kl_beta: float = 0.0
     """weight of the KL to the reference model (the paper uses 0)"""
     keep_zero_advantage: bool = False
-    """also train on samples whose advantage is exactly 0 (groups whose K rewards are equal); they carry no policy
-    gradient, so by default they are dropped before training, as Flow-GRPO does"""
+    """also train on the samples of groups whose K rewards are equal (reward std < 1e-12: advantage 0); they carry
+    no policy gradient, so by default they are dropped before training, as Flow-GRPO does"""
     offload_trajectories: bool = False
     """keep the stored rollout steps on the CPU between rollout and training"""
 
@@ -230,8 +230,8 @@ if __name__ == "__main__":
         all_raw, all_ids = score_epoch(run, torch.cat(images), records, group_ids)
         advantages, adv_stats = compute_advantages(all_raw, [r.weight for r in run.rewards], all_ids,
                                                    args.advantage_aggregation, args.global_std, args.adv_clip_max)
-        # A = 0 (a group whose K rewards are equal) has no policy gradient: drop it, keeping equal micro-step counts.
-        keep = torch.ones_like(advantages, dtype=torch.bool) if args.keep_zero_advantage else advantages != 0
+        # A group whose K rewards are equal (A = 0) has no policy gradient: drop it, keeping equal micro-step counts.
+        keep = trained_samples(adv_stats, args.keep_zero_advantage)
         plan = plan_micro_batches(keep, run.accelerator.num_processes, run.accelerator.process_index,
                                   args.batch_size, args.updates_per_epoch)
         advantages = advantages[run.local].float().to(device)

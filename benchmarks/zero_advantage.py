@@ -1,6 +1,7 @@
 """What dropping zero-advantage samples saves. With a binary reward many groups score the same for all K samples
-(GenEval's success is such a reward); their advantages are exactly 0 and carry no policy gradient. grpo.py and
-awm.py drop them before training by default (Flow-GRPO and AWM do); --keep-zero-advantage trains on them anyway.
+(GenEval's success is such a reward); their advantages are 0 and carry no policy gradient. grpo.py drops them
+before training by default, as Flow-GRPO does (--keep-zero-advantage trains them); awm.py trains them, as AWM's
+reference does (--drop-zero-advantage drops them).
 Both variants run side by side on the same epochs (same seed, so the same rollouts in epoch 0), and the train time
 per epoch is compared with the fraction of samples dropped.
 
@@ -18,6 +19,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+_GRPO_FAMILY = {"keep": ["--keep-zero-advantage"], "drop": []}
+VARIANTS = {"grpo": _GRPO_FAMILY, "grpo_guard": _GRPO_FAMILY, "mixgrpo": _GRPO_FAMILY,
+            "awm": {"keep": [], "drop": ["--drop-zero-advantage"]}}  # the flags of each variant, per script
 
 
 class BinaryJpeg:
@@ -46,7 +50,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--threshold", type=float, default=3.62, help="JPEG size (kB) below which the reward is 1")
-    parser.add_argument("--scripts", nargs="+", default=["grpo", "awm"])
+    parser.add_argument("--scripts", nargs="+", default=["grpo", "awm"], choices=sorted(VARIANTS))
     parser.add_argument("--warmup", type=int, default=2, help="first epochs left out of the means")
     args = parser.parse_args()
     common = ["--preset", "tiny", "--epochs", str(args.epochs), "--eval-every", "0", "--save-every", "0",
@@ -56,7 +60,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for script in args.scripts:
             rows = {}
-            for variant, extra in (("keep", ["--keep-zero-advantage"]), ("drop", [])):
+            for variant, extra in VARIANTS[script].items():
                 print(f"running {script} ({variant}) ...", file=sys.stderr, flush=True)
                 metrics = run(f"algos/{script}.py", common + extra, Path(tmp) / f"{script}-{variant}")[args.warmup:]
                 mean = lambda key: sum(m[key] for m in metrics) / len(metrics)  # noqa: E731

@@ -4,6 +4,7 @@ every group's statistics see all K of its samples whichever process drew them.""
 import torch
 
 AGGREGATIONS = ("sum", "gdpo")
+ZERO_STD = 1e-12  # a group reward std below this counts as zero
 
 
 def _group_mean_std(values: torch.Tensor, inverse: torch.Tensor, num_groups: int):
@@ -18,7 +19,8 @@ def compute_advantages(rewards: torch.Tensor, weights, group_ids: torch.Tensor, 
                        global_std: bool = False, clip: float = 5.0):
     """rewards: (N, R) raw scores of R rewards; weights: R floats; group_ids: (N,) ints (prompt hashes).
 
-    Returns (advantages (N,) float64 clamped to ±clip, stats dict). Math in float64.
+    Returns (advantages (N,) float64 clamped to ±clip, stats): `zero_std_frac` (share of groups whose combined
+    reward std is below ZERO_STD), `zero_std` ((N,) bool, that per sample), `num_groups`. Math in float64.
     - sum:  r = Σ w_k r_k;  A = (r − mean_group r) / (std + 1e-4), std = the group's or (global_std) the epoch's.
     - gdpo: â_k = (r_k − mean_group r_k) / max(std_group r_k, 1e-6); c = Σ w_k â_k;
             A = (c − mean c) / max(std c, 1e-6) over the epoch.
@@ -43,8 +45,20 @@ def compute_advantages(rewards: torch.Tensor, weights, group_ids: torch.Tensor, 
         c = torch.stack(normalised, dim=1) @ weights
         advantages = (c - c.mean()) / c.std(correction=0).clamp_min(1e-6)
         _, _, group_std = _group_mean_std(combined, inverse, num_groups)
-    stats = {"zero_std_frac": float((group_std < 1e-12).double().mean()), "num_groups": num_groups}
+    # A group whose K combined rewards are equal holds no preference. Decided on its reward std, not on A == 0:
+    # equal rewards such as 0.2 or 0.6 (not binary fractions) leave |A| ~ 1e-13 after the float64 mean.
+    zero_std = group_std < ZERO_STD
+    stats = {"zero_std_frac": float(zero_std.double().mean()), "num_groups": num_groups,
+             "zero_std": zero_std[inverse]}
     return advantages.clamp(-clip, clip), stats
+
+
+def trained_samples(stats: dict, keep_zero_advantage: bool) -> torch.Tensor:
+    """(N,) bool: the samples an update trains on. Samples of zero-std groups carry no policy gradient and are
+    dropped (Flow-GRPO's filter) unless `keep_zero_advantage`; the share dropped then equals `zero_std_frac`
+    (groups of K each)."""
+    zero_std = stats["zero_std"]
+    return torch.ones_like(zero_std) if keep_zero_advantage else ~zero_std
 
 
 def group_members(group_ids: torch.Tensor) -> dict[int, torch.Tensor]:

@@ -37,6 +37,25 @@ def tiny_flux_path():
     return tiny_model_path("flux1")
 
 
+def require_system(apt: str, program: str | None = None, library: str | None = None) -> None:
+    """Skip the calling test when a system program (on PATH) or shared library (`library="GL"` for libGL) that
+    pip cannot install is missing, naming the apt package that brings it. Under CI (`CI=true`) a missing one
+    fails the test instead, so CI's coverage never shrinks silently (.ci/run installs .ci/apt-packages.txt)."""
+    import ctypes.util
+    import shutil
+
+    if program is not None and shutil.which(program) is None:
+        missing = f"the {program} program"
+    elif library is not None and ctypes.util.find_library(library) is None:
+        missing = f"the lib{library} shared library"
+    else:
+        return
+    message = f"needs {missing}, which pip cannot install: `apt-get install {apt}` (as .ci/run does)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true and this test {message}")
+    pytest.skip(message)
+
+
 def free_port() -> int:
     """A TCP port of 127.0.0.1 nothing listens on now."""
     import socket

@@ -7,6 +7,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
+from conftest import require_system
 from rewards import load_rewards, score_samples
 from rewards.ocr import levenshtein, ocr_score, ocr_target
 
@@ -50,6 +51,12 @@ def test_ocr_target():
     assert ocr_target('one " quote only') == 'one " quote only'
 
 
+def require_opencv():
+    """RapidOCR's image handling (opencv-python) loads libGL and GLib, which come from apt, not pip."""
+    require_system("libgl1", library="GL")
+    require_system("libglib2.0-0", library="glib-2.0")
+
+
 def render(text: str, size: int = 256) -> torch.Tensor:
     image = Image.new("RGB", (size, size), "white")
     ImageDraw.Draw(image).text((12, size // 2 - 16), text, fill="black", font=ImageFont.load_default(size=30))
@@ -58,6 +65,10 @@ def render(text: str, size: int = 256) -> torch.Tensor:
 
 @pytest.mark.parametrize("engine", ["rapidocr", "tesseract"])
 def test_ocr_engines_read_rendered_text(engine):
+    if engine == "rapidocr":
+        require_opencv()
+    else:
+        require_system("tesseract-ocr", program="tesseract")
     (reward,) = load_rewards([f"ocr,engine={engine}"])
     noise = torch.rand(3, 256, 256, generator=torch.Generator().manual_seed(0))
     images = torch.stack([render("Flow Matching"), render("OPEN 24 HOURS"), render("goodbye moon"), noise])
@@ -81,6 +92,7 @@ def render_scene(text: str, rng, size: int = 384) -> torch.Tensor:
 
 
 def test_default_engine_reads_scene_like_text():
+    require_opencv()
     rng = np.random.default_rng(0)
     words = ["Fresh Bread", "No Parking", "Sale 50% Off"]
     (reward,) = load_rewards(["ocr"])
