@@ -1,0 +1,56 @@
+"""Model adapters: one small class per model family over its diffusers pipeline components.
+
+An adapter encodes prompts, makes the initial noise, gives the σ schedule, runs ONE velocity forward and
+decodes latents to images. Rollout and training both call `velocity`, so they cannot drift apart.
+Weights live in the model dtype (bf16 on GPUs); everything that leaves `velocity` is float32.
+"""
+
+import torch
+
+from common.models.flux import FluxAdapter
+from common.models.qwen_image import QwenImageAdapter
+from common.models.sd3 import SD3Adapter
+from common.models.wan import WanAdapter
+from common.utils import UserError
+
+DEFAULT_MODEL_PATHS = {
+    "flux1": "black-forest-labs/FLUX.1-dev",
+    "sd3": "stabilityai/stable-diffusion-3.5-medium",
+    "qwen-image": "Qwen/Qwen-Image",
+    "wan": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+}
+MODELS = tuple(DEFAULT_MODEL_PATHS)
+
+
+def resolve_model_path(model: str, model_path: str | None) -> str:
+    """`tiny` -> the locally built tiny pipeline; `toy` -> the shipped toy-world pipeline (FLUX.1 only); None ->
+    the model's published checkpoint."""
+    from common.tiny import tiny_model_path
+    from common.toy import toy_model_path
+
+    if model_path == "tiny":
+        return str(tiny_model_path(model))
+    if model_path == "toy":  # the toy world's pretrained FLUX.1 (common/toy.py); a UserError for other models
+        return str(toy_model_path(model))
+    return model_path or DEFAULT_MODEL_PATHS[model]
+
+
+ADAPTERS = {"flux1": FluxAdapter, "sd3": SD3Adapter, "qwen-image": QwenImageAdapter, "wan": WanAdapter}
+
+
+def load_adapter(model: str, model_path: str | None, device, dtype: torch.dtype, resolution: int,
+                 max_sequence_length: int = 512, load_text_encoders: bool = True, text_only: bool = False,
+                 num_frames: int | None = None):
+    """The adapter of `model`; `load_text_encoders=False` when training from the embedding cache,
+    `text_only=True` to load nothing but the text encoders (preprocess.py). `num_frames` (video models only)
+    defaults to the adapter's own default."""
+    if model not in ADAPTERS:
+        raise UserError(f"unknown model {model!r}; choose one of: {', '.join(ADAPTERS)}")
+    extra = {}
+    if num_frames is not None:
+        if model != "wan":
+            raise UserError(f"num_frames applies to video models (wan), not to {model}")
+        extra["num_frames"] = num_frames
+    path = resolve_model_path(model, model_path)
+    return ADAPTERS[model](path, device, dtype, resolution, max_sequence_length, load_text_encoders, text_only,
+                           **extra)

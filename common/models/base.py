@@ -1,0 +1,110 @@
+"""What every adapter shares: loading a pipeline's components, parking the frozen text encoders on the CPU,
+autocast to the model dtype, and writing LoRA weights in the pipeline's own format."""
+
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+
+from common.utils import UserError
+
+
+class _Adapter:
+    """What the adapters share: loading a pipeline's components, parking the frozen text encoders on the CPU,
+    autocast to the model dtype, and writing LoRA weights in the pipeline's own format."""
+
+    pipeline_class_name: str
+    display_name: str
+    text_components: tuple[str, ...]  # skipped when training from the embedding cache
+    true_cfg = False
+    max_sequence_limit: int | None = None  # the longest prompt the text encoder path accepts, when bounded
+
+    def _load(self, model_path: str, device, dtype: torch.dtype, load_text_encoders: bool, text_only: bool,
+              max_sequence_length: int) -> None:
+        import diffusers
+
+        limit = self.max_sequence_limit
+        if limit is not None and not 0 < max_sequence_length <= limit:
+            raise UserError(f"max_sequence_length {max_sequence_length} is not in 1..{limit}, "
+                            f"as {self.display_name} requires")
+        self.max_sequence_length = max_sequence_length
+        self.device = torch.device(device)
+        self.dtype = dtype
+        # Frozen encoders wait on the CPU between uses when training on an accelerator.
+        self.offload_device = torch.device("cpu")
+        skip = {} if load_text_encoders else {name: None for name in self.text_components}
+        if text_only:  # preprocess.py: only the text encoders
+            skip.update(transformer=None, vae=None)
+        try:
+            found = diffusers.DiffusionPipeline.load_config(model_path).get("_class_name")
+            if found != self.pipeline_class_name:
+                raise ValueError(f"its model_index.json names {found}, not {self.pipeline_class_name}")
+            self.pipe = getattr(diffusers, self.pipeline_class_name).from_pretrained(model_path, dtype=dtype, **skip)
+        except (OSError, ValueError) as err:
+            raise UserError(f"cannot load a {self.display_name} pipeline from {model_path!r}: "
+                            f"{str(err).splitlines()[0]}") from err
+        self.pipe.set_progress_bar_config(disable=True)
+        self.text_encoders = [getattr(self.pipe, name) for name in self.text_components
+                              if name.startswith("text_encoder") and getattr(self.pipe, name, None) is not None]
+        for module in self.text_encoders:
+            module.requires_grad_(False).to(self.offload_device)
+        if text_only:
+            return
+        self.transformer = self.pipe.transformer.to(self.device).requires_grad_(False)
+        self.config = self.transformer.config  # the scripts may wrap `transformer` (DDP): read config from here
+        self.vae = self.pipe.vae.to(self.device).requires_grad_(False)
+        self.scheduler = self.pipe.scheduler
+
+    def _check_resolution(self, resolution: int, multiple: int, largest: int | None = None) -> None:
+        if resolution <= 0 or resolution % multiple or (largest is not None and resolution > largest):
+            limit = f" up to {largest}" if largest is not None else ""
+            raise UserError(f"resolution {resolution} is not a positive multiple of {multiple}{limit}, "
+                            f"as {self.display_name} requires")
+
+    @contextmanager
+    def text_encoders_on_device(self):
+        """Bring the frozen text encoders to the accelerator for a round of encoding, then back to the CPU."""
+        for module in self.text_encoders:
+            module.to(self.device)
+        try:
+            yield
+        finally:
+            for module in self.text_encoders:
+                module.to(self.offload_device)
+
+    def count_truncated(self, texts: list[str]) -> int:
+        """How many of `texts` are longer than max_sequence_length tokens of the sequence encoder (T5, UMT5 or the
+        Qwen2.5-VL text): the pipelines truncate them silently. 0 when the tokenizers were not loaded (cache)."""
+        tokenizer = getattr(self.pipe, self.long_tokenizer, None)
+        if tokenizer is None:
+            return 0
+        return sum(len(tokenizer(text).input_ids) > self.max_sequence_length for text in texts)
+
+    def _require_text_encoders(self) -> None:
+        if not self.text_encoders:
+            raise RuntimeError("text encoders were not loaded (training from the embedding cache)")
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=self.dtype) if self.dtype != torch.float32 else nullcontext()
+
+    def _with_negatives(self, cond: dict[str, torch.Tensor], guidance_scale: float) -> bool:
+        """True CFG is on when guidance_scale > 1 (as in the pipelines); it needs the negative embeddings."""
+        if guidance_scale <= 1:
+            return False
+        missing = [k for k in cond if not k.startswith("negative_") and f"negative_{k}" not in cond]
+        if missing:
+            raise ValueError(f"guidance_scale {guidance_scale} > 1 needs negative prompt embeddings "
+                             f"(negative_{missing[0]}): encode with common.cache.PromptEncoder")
+        return True
+
+    def save_lora(self, directory: str | Path, lora_state_dict: dict[str, torch.Tensor],
+                  adapter_name: str = "default") -> None:
+        """Write LoRA weights in the diffusers format the matching pipeline's `load_lora_weights` reads, with the
+        adapter's peft config as metadata: without it the loader assumes lora_alpha = r, which rescales any
+        LoRA trained with α ≠ r (e.g. r 64, α 128)."""
+        import diffusers
+
+        peft_config = getattr(self.pipe.transformer, "peft_config", {}).get(adapter_name)  # the unwrapped module
+        getattr(diffusers, self.pipeline_class_name).save_lora_weights(
+            str(directory), transformer_lora_layers=lora_state_dict, safe_serialization=True,
+            transformer_lora_adapter_metadata=peft_config.to_dict() if peft_config is not None else None)

@@ -1,0 +1,106 @@
+"""Wan2.1 text-to-video (`WanPipeline`)."""
+
+import torch
+
+from common.models.base import _Adapter
+from common.utils import UserError
+
+
+class WanAdapter(_Adapter):
+    """Wan2.1 text-to-video over `WanPipeline`'s components: UMT5 encoder, the Wan 3D causal VAE, latents
+    (batch, C, 1 + (F − 1)/4, H/8, W/8), true CFG. Decoded videos are (batch, F, 3, H, W).
+
+    The schedule is the checkpoint's UniPC flow schedule (σ from `set_timesteps`, as the pipeline and
+    Flow-GRPO's Wan trainer use), integrated by our Euler/SDE steps instead of UniPC's multistep updates.
+    The transformer sees the scheduler's integer timestep, ⌊1000·σ⌋, capped at 999 as UniPC's is."""
+
+    pipeline_class_name = "WanPipeline"
+    default_guidance_scale = 4.5  # true CFG scale of the references (Wan2.1, Flow-GRPO)
+    display_name = "Wan"
+    text_components = ("text_encoder", "tokenizer")
+    long_tokenizer = "tokenizer"
+    true_cfg = True
+    # Flow-GRPO's Wan2.1 LoRA targets (the add_* projections exist only in image-to-video checkpoints).
+    lora_target_modules = [
+        "add_k_proj", "add_q_proj", "add_v_proj", "to_add_out", "to_k", "to_out.0", "to_q", "to_v",
+    ]
+
+    def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
+                 max_sequence_length: int = 512, load_text_encoders: bool = True, text_only: bool = False,
+                 num_frames: int = 33):
+        self._load(model_path, device, dtype, load_text_encoders, text_only, max_sequence_length)
+        if text_only:
+            return
+        if self.pipe.transformer_2 is not None or self.pipe.config.get("expand_timesteps", False):
+            raise UserError(f"{model_path!r} is a Wan2.2 two-expert or per-token-timestep checkpoint; only "
+                            f"single-transformer Wan2.1-style text-to-video checkpoints are supported")
+        self.vae_scale_factor = self.pipe.vae_scale_factor_spatial
+        self.temporal_factor = self.pipe.vae_scale_factor_temporal
+        self._check_resolution(resolution, self.vae_scale_factor * self.config.patch_size[1])
+        if num_frames < 1 or (num_frames - 1) % self.temporal_factor:
+            raise UserError(f"num_frames {num_frames} is not {self.temporal_factor}k + 1 (e.g. 33 or 81), "
+                            f"as the Wan VAE requires")
+        self.height = self.width = resolution
+        self.num_frames = num_frames
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """UMT5 states of the cleaned prompt, zeroed past its end and padded to max_sequence_length
+        (`WanPipeline.encode_prompt`)."""
+        self._require_text_encoders()
+        prompt_embeds, _ = self.pipe.encode_prompt(prompt=prompts, do_classifier_free_guidance=False,
+                                                   max_sequence_length=self.max_sequence_length, device=self.device)
+        return {"prompt_embeds": prompt_embeds}
+
+    def noise(self, generators: list[torch.Generator]) -> torch.Tensor:
+        """Initial latents (batch, C, latent frames, H/8, W/8), one generator per sample, float32."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        shape = (len(generators), self.config.in_channels, (self.num_frames - 1) // self.temporal_factor + 1,
+                 self.height // self.vae_scale_factor, self.width // self.vae_scale_factor)
+        return randn_tensor(shape, generator=generators, device=self.device, dtype=torch.float32)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The scheduler's σ for `num_steps`, as `WanPipeline` sets them, ending at 0. UniPC lowers σ_0 = 1 by
+        1e-6 only to keep its log-SNR finite; Euler/SDE steps need no such guard (and flow-sde's σ = 1 rule
+        needs σ_0 = 1 exactly), so it is put back."""
+        self.scheduler.set_timesteps(num_steps, device="cpu")
+        sigmas = self.scheduler.sigmas.float().clone()
+        if abs(float(sigmas[0]) - 1.0) < 1e-5:
+            sigmas[0] = 1.0
+        return sigmas.to(self.device)
+
+    def _timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        """UniPC's timestep int64(1000·σ): truncated, at most num_train_timesteps − 1."""
+        steps = self.scheduler.config.num_train_timesteps
+        return (sigma.double() * steps).floor().clamp(max=steps - 1).long()
+
+    def velocity(self, latents: torch.Tensor, sigma, cond: dict[str, torch.Tensor],
+                 guidance_scale: float = 4.5, transformer=None) -> torch.Tensor:
+        """v_θ(x_σ, σ, c) in float32; with guidance_scale > 1 negative and positive conditioning run as one
+        batch of 2B and combine as v_neg + w·(v_pos − v_neg), as the pipeline does."""
+        batch = latents.shape[0]
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(batch)
+        timestep, embeds, x = self._timestep(sigma), cond["prompt_embeds"], latents
+        cfg = self._with_negatives(cond, guidance_scale)
+        if cfg:
+            embeds = torch.cat([cond["negative_prompt_embeds"], embeds])
+            x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
+        model = self.transformer if transformer is None else transformer
+        with self._autocast():
+            out = model(hidden_states=x.to(self.dtype), timestep=timestep,
+                                   encoder_hidden_states=embeds.to(self.dtype), return_dict=False)[0].float()
+        if cfg:
+            uncond, text = out.chunk(2)
+            out = uncond + guidance_scale * (text - uncond)
+        return out
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents -> videos in [0, 1], float32, shape (batch, frames, 3, H, W)."""
+        latents = latents.to(self.vae.dtype)
+        shape = (1, self.vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(self.vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        inv_std = 1.0 / torch.tensor(self.vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+        video = self.vae.decode(latents / inv_std + mean, return_dict=False)[0]  # (batch, 3, F, H, W)
+        return (video.float().permute(0, 2, 1, 3, 4) / 2 + 0.5).clamp(0, 1)
