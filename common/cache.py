@@ -1,4 +1,5 @@
-"""Embedding cache: prompt text -> text-encoder outputs, built once by `preprocess.py`.
+"""Embedding cache: prompt text (and its condition images) -> text-encoder outputs (and condition tensors),
+built once by `preprocess.py`.
 
 With a cache the training scripts never load the text encoders or tokenizers. A cache lives in
 CACHE_ROOT/<model>-<fingerprint>/ and holds safetensors shards plus `manifest.json`. The fingerprint
@@ -26,6 +27,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from common.data import Prompt
+from common.models import ADAPTERS
 from common.utils import UserError
 
 CACHE_VERSION = 2  # bump whenever the encoding code changes what it stores
@@ -38,27 +40,47 @@ def default_cache_root() -> Path:
     return tiny_cache_root() / "embeddings"
 
 
+def cache_entries(train, test, with_negatives: bool) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """The entries a run needs, sorted by key (`Prompt.entry`: the text, and for conditioned models the contents
+    of its condition images): key -> (text, condition image paths). Every prompt, plus negative prompts ("" included)
+    for true CFG, with their prompt's condition images."""
+    entries = {}
+    for p in [*train, *test]:
+        entries[p.entry()] = (p.prompt, p.images)
+        if with_negatives:
+            entries[p.entry(negative=True)] = (p.negative_prompt, p.images)
+            entries[Prompt("", images=p.images, image_digests=p.image_digests).entry()] = ("", p.images)
+    return dict(sorted(entries.items()))
+
+
+def condition_inputs(model: str, resolution: int, condition_size: int | None, num_frames: int | None) -> dict | None:
+    """The run settings a conditioned model's cached condition tensors depend on (None for text-only models):
+    the condition size, and the output size and frames that image-to-video conditions are built at."""
+    adapter = ADAPTERS[model]
+    if adapter.condition_images[1] == 0:
+        return None
+    return {"resolution": resolution, "condition_size": condition_size, "num_frames": num_frames if adapter.video else None}
+
+
 def cache_texts(train, test, with_negatives: bool) -> list[str]:
-    """The sorted unique texts a run needs: every prompt, plus negative prompts ("" included) for true CFG."""
-    texts = {p.prompt for p in [*train, *test]}
-    if with_negatives:
-        texts |= {p.negative_prompt for p in [*train, *test]} | {""}
-    return sorted(texts)
+    """The sorted keys of `cache_entries` (for text-only models: the unique texts)."""
+    return list(cache_entries(train, test, with_negatives))
 
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _local_model_folder(model_path: str) -> tuple[Path, str | None]:
-    """A local folder holding the pipeline's small files, and the hub revision when there is one."""
+def _local_model_folder(model_path: str, components: tuple[str, ...] = ()) -> tuple[Path, str | None]:
+    """A local folder holding the pipeline's small files (and `components`' configs), and the hub revision when
+    there is one."""
     if Path(model_path).is_dir():
         return Path(model_path), None
     from huggingface_hub import snapshot_download
 
     try:
         folder = Path(snapshot_download(model_path, allow_patterns=["model_index.json", "text_encoder*/*.json",
-                                                                   "tokenizer*/*"]))
+                                                                   "tokenizer*/*", *(f"{c}/*.json" for c in components)]))
     except Exception as err:  # offline and not in the hub cache, a typo, no access...
         raise UserError(f"cannot read the text encoder configs of {model_path!r}: {str(err).splitlines()[0]}")
     return folder, folder.name  # snapshots/<commit hash>
@@ -76,13 +98,17 @@ def _weights_digest(file: Path, span: int = 1 << 20) -> str:
 
 
 def fingerprint_inputs(model: str, model_path: str, max_sequence_length: int, dtype: torch.dtype,
-                       texts: list[str]) -> dict:
-    folder, revision = _local_model_folder(model_path)
+                       texts: list[str], condition: dict | None = None) -> dict:
+    """What an embedding depends on. `condition` (conditioned models): the settings that change the condition
+    tensors (resolution, condition size); the weights of the components that encode conditions are covered too."""
+    components = ADAPTERS[model].condition_components if model in ADAPTERS else ()
+    folder, revision = _local_model_folder(model_path, components)
     if not (folder / "model_index.json").is_file():
         raise UserError(f"{model_path!r} has no model_index.json: it is not a diffusers pipeline folder")
     index = json.loads((folder / "model_index.json").read_text())
     encoders = {}
-    for name in sorted(k for k in index if k.startswith(("text_encoder", "tokenizer"))):
+    parts = ("text_encoder", "tokenizer", *components)
+    for name in sorted(k for k in index if k.startswith(parts)):
         if index[name] in (None, [None, None]) or not (folder / name).is_dir():
             continue
         for file in sorted((folder / name).iterdir()):
@@ -102,6 +128,7 @@ def fingerprint_inputs(model: str, model_path: str, max_sequence_length: int, dt
         "dtype": str(dtype),
         "texts_sha256": _sha256("\n".join(texts).encode()),
         "num_texts": len(texts),
+        **({"condition": condition} if condition else {}),
     }
 
 
@@ -177,13 +204,13 @@ def open_cache(root: str | Path | None, inputs: dict, explicit: bool) -> Embeddi
 
 
 def find_cache(model: str, model_path: str, max_sequence_length: int, dtype: torch.dtype, texts: list[str],
-               cache_dir: str | None, no_cache: bool) -> EmbeddingCache | None:
+               cache_dir: str | None, no_cache: bool, condition: dict | None = None) -> EmbeddingCache | None:
     """What a training script calls: the matching cache, or None to encode online. An explicit --cache-dir
     must match; the default root is used only when it holds a match."""
     if no_cache:
         return None
     try:
-        inputs = fingerprint_inputs(model, model_path, max_sequence_length, dtype, texts)
+        inputs = fingerprint_inputs(model, model_path, max_sequence_length, dtype, texts, condition)
     except UserError:
         if cache_dir is not None:
             raise
@@ -200,19 +227,23 @@ class PromptEncoder:
     def __init__(self, adapter, cache: EmbeddingCache | None = None):
         self.adapter, self.cache = adapter, cache
 
-    def _table(self, texts: list[str]) -> dict[str, torch.Tensor]:
+    def _table(self, entries: dict[str, tuple[str, tuple[str, ...]]]) -> dict[str, torch.Tensor]:
         if self.cache is not None:
-            return self.cache.lookup(texts)
+            return self.cache.lookup(list(entries))
         with self.adapter.text_encoders_on_device():
-            encoded = [self.adapter.encode_prompts([text]) for text in texts]
+            encoded = [self.adapter.encode_entry(text, images) for text, images in entries.values()]
         return {k: torch.cat([e[k] for e in encoded]) for k in encoded[0]}
 
     def __call__(self, prompts) -> dict[str, torch.Tensor]:
         records = [Prompt(p) if isinstance(p, str) else p for p in prompts]
-        positives = [r.prompt for r in records]
-        negatives = [r.negative_prompt for r in records] if getattr(self.adapter, "true_cfg", False) else []
+        entries = {r.entry(): (r.prompt, r.images) for r in records}
+        positives = [r.entry() for r in records]
+        negatives = []
+        if getattr(self.adapter, "true_cfg", False):
+            negatives = [r.entry(negative=True) for r in records]
+            entries.update({r.entry(negative=True): (r.negative_prompt, r.images) for r in records})
         unique = list(dict.fromkeys(positives + negatives))
-        table = self._table(unique)
+        table = self._table({key: entries[key] for key in unique})
         position = {text: i for i, text in enumerate(unique)}
         cond = {}
         for prefix, texts in (("", positives), ("negative_", negatives)):
@@ -222,11 +253,14 @@ class PromptEncoder:
         return cond
 
 
-def build_cache(accelerator, adapter, texts: list[str], root: str | Path, inputs: dict, shard_size: int = 256,
+def build_cache(accelerator, adapter, texts, root: str | Path, inputs: dict, shard_size: int = 256,
                 progress: bool = True) -> Path:
     """Encode `texts` with the adapter's text encoders into root/<model>-<fingerprint>/ (all processes call
-    this). Shard k holds texts[k·shard_size : (k+1)·shard_size] and is written by process k mod world, so the
+    this). `texts`: a list of texts, or `cache_entries` (key -> (text, condition images)) for conditioned models.
+    Shard k holds entries k·shard_size … (k+1)·shard_size − 1 and is written by process k mod world, so the
     files do not depend on the number of processes."""
+    entries = texts if isinstance(texts, dict) else {text: (text, ()) for text in texts}
+    texts = list(entries)
     folder = cache_folder(root, inputs)
     tmp = folder.with_name(f".{folder.name}.tmp")
     if accelerator.is_main_process:
@@ -242,7 +276,7 @@ def build_cache(accelerator, adapter, texts: list[str], root: str | Path, inputs
         for k in mine:
             rows = []
             for text in chunks[k]:
-                rows.append({key: value.cpu() for key, value in adapter.encode_prompts([text]).items()})
+                rows.append({key: value.cpu() for key, value in adapter.encode_entry(*entries[text]).items()})
                 bar.update(1)
             tensors = {key: torch.cat([r[key] for r in rows]).contiguous() for key in rows[0]}
             file = f"shard_{k:05d}.safetensors"

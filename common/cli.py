@@ -13,6 +13,10 @@ import tyro
 from common.data import DEFAULT_DATASET
 from common.utils import UserError, avoid_cudnn_attention, install_user_error_hook, quiet_libraries
 
+# Kept here, not read off the adapters, so that parsing flags imports no model code (tests check they agree).
+VIDEO_MODELS = ("wan", "wan-i2v")
+CONDITIONED_MODELS = ("flux1-kontext", "qwen-image-edit", "wan-i2v")
+
 NON_FINITE_NOTE = ("A non-finite reward, loss or gradient norm stops the run with one line naming the epoch and the "
                    "quantity, before the optimizer step and before anything of that epoch is written; a checkpoint is "
                    "never written with non-finite weights.")
@@ -37,8 +41,9 @@ class TrainArgs:
     """continue from the newest complete checkpoint in --output-dir"""
 
     # Model
-    model: Literal["flux1", "sd3", "qwen-image", "wan"] = "flux1"
-    """model family"""
+    model: Literal["flux1", "sd3", "qwen-image", "wan", "flux1-kontext", "qwen-image-edit", "wan-i2v"] = "flux1"
+    """model family (flux1-kontext, qwen-image-edit: image editing; wan-i2v: image-to-video; their datasets give
+    each prompt a condition image)"""
     model_path: str | None = None
     """hub id or local folder of the pipeline; `tiny` builds an offline tiny model, `toy` is the toy world's
     pretrained FLUX.1 (unset: the model's published checkpoint)"""
@@ -49,7 +54,11 @@ class TrainArgs:
     max_sequence_length: int = 512
     """prompt length in text-encoder tokens (longer prompts are truncated, with a warning)"""
     num_frames: int | None = None
-    """frames of a video model (wan: 4k + 1; unset: 33); image models take none"""
+    """frames of a video model (wan, wan-i2v: 4k + 1; unset: 33); image models take none"""
+    condition_size: int | None = None
+    """side of the square that condition images are resized to (unset: as the pipeline does it: FLUX.1 Kontext's
+    preferred resolution nearest the image's aspect ratio, Qwen-Image-Edit's area-preserving resize, Wan I2V's
+    output size); conditioned models only"""
     guidance_scale: float | None = None
     """FLUX.1's guidance embedding or the true-CFG scale of the others (unset: the model's reference value)"""
     cache_dir: str | None = None
@@ -213,8 +222,11 @@ def check_args(args) -> None:
         raise UserError(f"--eval-num-steps must be at least 1, got {args.eval_num_steps}")
     if not 0 <= args.ema_decay < 1:
         raise UserError(f"--ema-decay must be in [0, 1), got {args.ema_decay}")
-    if args.num_frames is not None and args.model != "wan":
-        raise UserError(f"--num-frames applies to video models (wan), not to {args.model}")
+    if args.num_frames is not None and args.model not in VIDEO_MODELS:
+        raise UserError(f"--num-frames applies to video models ({', '.join(VIDEO_MODELS)}), not to {args.model}")
+    if args.condition_size is not None and args.model not in CONDITIONED_MODELS:
+        raise UserError(f"--condition-size applies to conditioned models ({', '.join(CONDITIONED_MODELS)}), "
+                        f"not to {args.model}")
 
 
 def run_defining_flags(args) -> dict:

@@ -1,12 +1,14 @@
 """Prompt sets and the per-epoch K-repeat draw.
 
 A dataset is a folder with `train.jsonl`/`test.jsonl` (one JSON object per line, field `prompt`, optional
-`negative_prompt`) or `train.txt`/`test.txt` (one prompt per line).
+`negative_prompt`, and for conditioned models (editing, image-to-video) `image` or `images`: condition image
+paths relative to the folder, PNG, JPEG or WebP) or `train.txt`/`test.txt` (one prompt per line). All K samples
+of a group share their prompt's conditions.
 """
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -17,16 +19,71 @@ from common.utils import UserError
 DEFAULT_DATASET = str(Path(__file__).resolve().parent.parent / "data" / "prompts")
 
 
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+
+
 @dataclass(frozen=True)
 class Prompt:
     prompt: str
     negative_prompt: str = ""
+    images: tuple[str, ...] = ()         # condition images (absolute paths), in the order the model sees them
+    image_digests: tuple[str, ...] = ()  # sha256 of each file's bytes when it was loaded
+    source: str = field(default="", compare=False)  # "file:line" of the record, for error messages
 
     @property
     def key(self) -> int:
-        """Group key: a hash of the texts (not a dataset index), as a non-negative int64."""
-        digest = hashlib.sha256(f"{self.prompt}\x00{self.negative_prompt}".encode()).digest()
+        """Group key: a hash of the texts and condition images (not a dataset index), as a non-negative int64."""
+        digest = hashlib.sha256(f"{self.prompt}\x00{self.negative_prompt}{self._images_part}".encode()).digest()
         return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+    @property
+    def _images_part(self) -> str:
+        return "".join(f"\x00image:{d}" for d in self.image_digests)
+
+    def entry(self, negative: bool = False) -> str:
+        """What an encoding depends on, as one string (the embedding cache's key): the text, and the contents of
+        the condition images (a changed file is a new entry). Negative prompts see the same images."""
+        return (self.negative_prompt if negative else self.prompt) + self._images_part
+
+
+def load_images(paths) -> list:
+    """The condition images at `paths` as RGB PIL images."""
+    from PIL import Image
+
+    images = []
+    for path in paths:
+        with Image.open(path) as image:
+            images.append(image.convert("RGB"))
+    return images
+
+
+def _condition_images(item: dict, folder: Path, where: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The `image`/`images` field of a JSONL record: checked, resolved against the dataset folder, hashed."""
+    from PIL import Image, UnidentifiedImageError
+
+    if "image" in item and "images" in item:
+        raise UserError(f"{where}: has both \"image\" and \"images\": give one")
+    names = [item["image"]] if "image" in item else item.get("images", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names) or \
+            ("images" in item and not names):
+        raise UserError(f"{where}: \"image\" must be a path and \"images\" a non-empty list of paths")
+    paths, digests = [], []
+    for name in names:
+        path = (folder / name).resolve()
+        if not path.is_file():
+            raise UserError(f"{where}: condition image {name!r} does not exist ({path})")
+        data = path.read_bytes()
+        try:
+            with Image.open(path) as image:
+                image.verify()
+                kind = image.format
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+            raise UserError(f"{where}: condition image {name!r} is not a readable image ({err})") from None
+        if kind not in IMAGE_FORMATS:
+            raise UserError(f"{where}: condition image {name!r} is {kind}; use PNG, JPEG or WebP")
+        paths.append(str(path))
+        digests.append(hashlib.sha256(data).hexdigest())
+    return tuple(paths), tuple(digests)
 
 
 def _lines(path: Path) -> list[str]:
@@ -62,16 +119,32 @@ def load_prompts(dataset: str | Path, split: str) -> list[Prompt]:
             negative = item.get("negative_prompt") or ""
             if not isinstance(negative, str):
                 raise UserError(f"{jsonl}:{number}: \"negative_prompt\" must be a string")
-            records.append(Prompt(item["prompt"], negative))
+            images, digests = _condition_images(item, folder, f"{jsonl}:{number}")
+            records.append(Prompt(item["prompt"], negative, images, digests, source=f"{jsonl}:{number}"))
         source = jsonl
     elif txt.exists():
-        records = [Prompt(line.strip()) for line in _lines(txt) if line.strip()]
+        records = [Prompt(line.strip(), source=f"{txt}:{number}")
+                   for number, line in enumerate(_lines(txt), start=1) if line.strip()]
         source = txt
     else:
         raise UserError(f"dataset folder {str(folder)!r} has neither {split}.jsonl nor {split}.txt")
     if not records:
         raise UserError(f"{source} holds no prompts")
     return records
+
+
+def check_conditions(records: list[Prompt], fewest: int, most: int | None, model: str) -> None:
+    """Every record carries between `fewest` and `most` (None: any number) condition images, as `model` takes;
+    else one line naming the record's file and line."""
+    for record in records:
+        count = len(record.images)
+        if fewest == most == 0 and count:
+            raise UserError(f"{record.source}: has a condition image, but {model} is a text-only model (choose an "
+                            f"editing or image-to-video model, or drop \"image\")")
+        if count < fewest:
+            raise UserError(f"{record.source}: {model} needs a condition image (\"image\": \"path\") on every line")
+        if most is not None and count > most:
+            raise UserError(f"{record.source}: {count} condition images, but {model} takes at most {most}")
 
 
 def epoch_draw(num_prompts: int, prompts_per_epoch: int, group_size: int, seed: int, epoch: int,

@@ -14,11 +14,11 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
-from common.cache import PromptEncoder, cache_texts, find_cache
+from common.cache import PromptEncoder, cache_texts, condition_inputs, find_cache
 from common.checkpoint import (LORA_FILE, clean_stale_writes, load_full_state_into, load_lora_state_into,
                                newest_complete_checkpoint, restore_rng, save_checkpoint)
 from common.cli import run_defining_flags
-from common.data import load_prompts, shard
+from common.data import check_conditions, load_prompts, shard
 from common.distributed import (configure_backend, load_optimizer_state_dict, lora_state_dict, optimizer_state_dict,
                                 place_like, save_pretrained, staging_device, trainable)
 from common.models import ADAPTERS, load_adapter, resolve_model_path
@@ -125,6 +125,7 @@ def setup(args, shadows: tuple[str, ...] = (), reference_copy: bool = False, cfg
     rank, world = accelerator.process_index, accelerator.num_processes
     local = shard(args.prompts_per_epoch * args.group_size, rank, world)
     train_prompts, test_prompts = load_prompts(args.dataset, "train"), load_prompts(args.dataset, "test")
+    check_conditions(train_prompts + test_prompts, *ADAPTERS[args.model].condition_images, args.model)
     if args.prompts_per_epoch > len(train_prompts):
         raise UserError(f"--prompts-per-epoch {args.prompts_per_epoch} exceeds the {len(train_prompts)} training "
                         f"prompts of {args.dataset}")
@@ -142,9 +143,12 @@ def setup(args, shadows: tuple[str, ...] = (), reference_copy: bool = False, cfg
     model_path = resolve_model_path(args.model, args.model_path)
     # With a matching embedding cache the text encoders are never loaded.
     cache = find_cache(args.model, model_path, args.max_sequence_length, dtype,
-                       cache_texts(train_prompts, test_prompts, true_cfg), args.cache_dir, not args.cache)
+                       cache_texts(train_prompts, test_prompts, true_cfg), args.cache_dir, not args.cache,
+                       condition_inputs(args.model, args.resolution, args.condition_size, args.num_frames))
     adapter = load_adapter(args.model, model_path, accelerator.device, dtype, args.resolution,
-                           args.max_sequence_length, load_text_encoders=cache is None, num_frames=args.num_frames)
+                           args.max_sequence_length, load_text_encoders=cache is None, num_frames=args.num_frames,
+                           condition_size=args.condition_size)
+    adapter.check_condition_shapes(train_prompts + test_prompts)
     guidance = args.guidance_scale if args.guidance_scale is not None else (
         1.0 if cfg_free and true_cfg else adapter.default_guidance_scale)
     encode = PromptEncoder(adapter, cache)

@@ -45,8 +45,11 @@ def tiny_t5_tokenizer(max_length: int = 32):
     return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=max_length)
 
 
-def _build_flux1(path: Path) -> None:
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+def _build_flux1(path: Path, pipeline_class: str = "FluxPipeline") -> None:
+    """FLUX.1-like; with pipeline_class="FluxKontextPipeline" the same components as FLUX.1 Kontext (which has
+    FLUX.1's architecture and configs: the condition tokens are only a longer image sequence)."""
+    import diffusers
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     tokenizer, tokenizer_2 = tiny_clip_tokenizer(), tiny_t5_tokenizer()
@@ -80,7 +83,7 @@ def _build_flux1(path: Path) -> None:
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
         base_image_seq_len=256, max_image_seq_len=4096,
     )
-    pipe = FluxPipeline(
+    pipe = getattr(diffusers, pipeline_class)(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
         text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer,
     )
@@ -251,7 +254,21 @@ def _build_wan(path: Path) -> None:
     pipe.save_pretrained(path, safe_serialization=True)
 
 
-TINY_BUILDERS = {"flux1": _build_flux1, "sd3": _build_sd3, "qwen-image": _build_qwen_image, "wan": _build_wan}
+def _build_flux1_kontext(path: Path) -> None:
+    _build_flux1(path, "FluxKontextPipeline")
+
+
+def _build_qwen_image_edit(path: Path) -> None:
+    raise NotImplementedError("in progress")
+
+
+def _build_wan_i2v(path: Path) -> None:
+    raise NotImplementedError("in progress")
+
+
+TINY_BUILDERS = {"flux1": _build_flux1, "sd3": _build_sd3, "qwen-image": _build_qwen_image, "wan": _build_wan,
+                 "flux1-kontext": _build_flux1_kontext, "qwen-image-edit": _build_qwen_image_edit,
+                 "wan-i2v": _build_wan_i2v}
 
 
 def tiny_model_path(model: str) -> Path:

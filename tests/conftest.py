@@ -56,6 +56,33 @@ def require_system(apt: str, program: str | None = None, library: str | None = N
     pytest.skip(message)
 
 
+def write_edit_dataset(folder: Path) -> Path:
+    """A small dataset of conditioned prompts: 4 training and 2 test lines, each with a 32×32 condition image
+    (a coloured box on white; PNG, JPEG and WebP), as an editing or image-to-video model takes them."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "images").mkdir(exist_ok=True)
+    boxes = [((200, 30, 30), (4, 8, 20, 24)), ((30, 160, 30), (12, 2, 28, 14)), ((30, 30, 200), (2, 16, 14, 30)),
+             ((220, 200, 40), (8, 8, 24, 24))]
+    names = []
+    for i, ((colour, box), kind) in enumerate(zip(boxes, ["png", "jpg", "webp", "png"])):
+        image = Image.new("RGB", (32, 32), "white")
+        image.paste(colour, box)
+        names.append(f"images/{i}.{kind}")
+        image.save(folder / names[-1], **({"lossless": True} if kind == "webp" else {}))
+    lines = [("make it green", 0), ("turn it into a circle", 1), ("move it to the left", 2), ("make it blue", 3)]
+    (folder / "train.jsonl").write_text("".join(json.dumps({"prompt": p, "image": names[i]}) + "\n" for p, i in lines))
+    (folder / "test.jsonl").write_text("".join(json.dumps({"prompt": p, "image": names[i]}) + "\n"
+                                               for p, i in [("make it red", 1), ("move it up", 3)]))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def edit_dataset(tmp_path_factory):
+    return write_edit_dataset(tmp_path_factory.mktemp("edit-dataset"))
+
+
 def free_port() -> int:
     """A TCP port of 127.0.0.1 nothing listens on now."""
     import socket

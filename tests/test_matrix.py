@@ -1,6 +1,8 @@
 """Every algorithm script × every other model than FLUX.1: one tiny epoch each, through the scripts' own command
 line. (FLUX.1, the scripts' default, runs in every script's own test file: tiny epochs with evaluation and
-checkpoints, resume, two processes.)"""
+checkpoints, resume, two processes.) Conditioned models (editing, image-to-video) train on a dataset of prompts
+with condition images, and the LoRA each script saves must load into the stock diffusers pipeline and change its
+output for a condition image."""
 
 import math
 import runpy
@@ -15,7 +17,9 @@ MODELS = {
     "sd3": ["--resolution", "32"],
     "qwen-image": ["--resolution", "32"],
     "wan": ["--resolution", "32", "--num-frames", "5"],
+    "flux1-kontext": ["--resolution", "32", "--condition-size", "32"],
 }
+CONDITIONED = {"flux1-kontext"}
 SMALL = ["--preset", "tiny", "--epochs", "1", "--prompts-per-epoch", "1", "--group-size", "4", "--batch-size", "4",
          "--eval-every", "1", "--eval-num-prompts", "1", "--max-sequence-length", "16"]
 STEPS = {"grpo": ["--num-steps", "4", "--updates-per-epoch", "1"],
@@ -28,15 +32,43 @@ STEPS = {"grpo": ["--num-steps", "4", "--updates-per-epoch", "1"],
 
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_one_epoch(script, model, tmp_path):
+def test_one_epoch(script, model, tmp_path, request):
+    data = ["--dataset", request.getfixturevalue("edit_dataset")] if model in CONDITIONED else []
     run_script(f"algos/{script}.py", *SMALL, *STEPS[script], "--model", model, "--model-path", "tiny",
-               *MODELS[model], "--output-dir", tmp_path)
+               *MODELS[model], *data, "--output-dir", tmp_path)
     (metrics,) = read_metrics(tmp_path)
     assert metrics["num_processes"] == 1 and metrics["samples_seen"] == 4
     assert all(math.isfinite(metrics[k]) for k in ("reward_mean", "loss", "grad_norm", "eval_reward_mean"))
     if "ratio_dev_first" in metrics:
         assert metrics["ratio_dev_first"] < 1e-6
-    assert (tmp_path / "checkpoints" / "epoch_000000" / "pytorch_lora_weights.safetensors").exists()
+    lora = tmp_path / "checkpoints" / "epoch_000000"
+    assert (lora / "pytorch_lora_weights.safetensors").exists()
+    if model in CONDITIONED:
+        assert_lora_changes_the_stock_pipeline(model, lora, data[1])
+
+
+def assert_lora_changes_the_stock_pipeline(model, lora, dataset):
+    """The stock pipeline (diffusers' own, from the tiny folder) loads the trained LoRA and, for the first test
+    prompt's condition image and a fixed noise seed, generates other latents than without it."""
+    import torch
+    from diffusers import DiffusionPipeline
+    from PIL import Image
+
+    from common.data import load_prompts
+    from common.tiny import tiny_model_path
+
+    record = load_prompts(dataset, "test")[0]
+    pipe = DiffusionPipeline.from_pretrained(str(tiny_model_path(model)))
+    pipe.set_progress_bar_config(disable=True)
+    call = dict(image=Image.open(record.images[0]).convert("RGB"), prompt=record.prompt, height=32, width=32,
+                num_inference_steps=4, max_sequence_length=16, output_type="latent", **PIPELINE_ARGS[model])
+    base = pipe(generator=torch.Generator().manual_seed(0), **call).images
+    pipe.load_lora_weights(str(lora))
+    tuned = pipe(generator=torch.Generator().manual_seed(0), **call).images
+    assert (tuned - base).abs().max() > 1e-4, float((tuned - base).abs().max())
+
+
+PIPELINE_ARGS = {"flux1-kontext": dict(max_area=32 * 32, _auto_resize=False)}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

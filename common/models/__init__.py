@@ -8,6 +8,9 @@ Weights live in the model dtype (bf16 on GPUs); everything that leaves `velocity
 import torch
 
 from common.models.flux import FluxAdapter
+from common.models.kontext import FluxKontextAdapter
+from common.models.qwen_image_edit import QwenImageEditAdapter
+from common.models.wan_i2v import WanImageToVideoAdapter
 from common.models.qwen_image import QwenImageAdapter
 from common.models.sd3 import SD3Adapter
 from common.models.wan import WanAdapter
@@ -18,6 +21,9 @@ DEFAULT_MODEL_PATHS = {
     "sd3": "stabilityai/stable-diffusion-3.5-medium",
     "qwen-image": "Qwen/Qwen-Image",
     "wan": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+    "flux1-kontext": "black-forest-labs/FLUX.1-Kontext-dev",
+    "qwen-image-edit": "Qwen/Qwen-Image-Edit-2511",
+    "wan-i2v": "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
 }
 MODELS = tuple(DEFAULT_MODEL_PATHS)
 
@@ -35,22 +41,28 @@ def resolve_model_path(model: str, model_path: str | None) -> str:
     return model_path or DEFAULT_MODEL_PATHS[model]
 
 
-ADAPTERS = {"flux1": FluxAdapter, "sd3": SD3Adapter, "qwen-image": QwenImageAdapter, "wan": WanAdapter}
+ADAPTERS = {"flux1": FluxAdapter, "sd3": SD3Adapter, "qwen-image": QwenImageAdapter, "wan": WanAdapter,
+            "flux1-kontext": FluxKontextAdapter, "qwen-image-edit": QwenImageEditAdapter,
+            "wan-i2v": WanImageToVideoAdapter}
 
 
 def load_adapter(model: str, model_path: str | None, device, dtype: torch.dtype, resolution: int,
                  max_sequence_length: int = 512, load_text_encoders: bool = True, text_only: bool = False,
-                 num_frames: int | None = None):
+                 num_frames: int | None = None, condition_size: int | None = None):
     """The adapter of `model`; `load_text_encoders=False` when training from the embedding cache,
-    `text_only=True` to load nothing but the text encoders (preprocess.py). `num_frames` (video models only)
-    defaults to the adapter's own default."""
+    `text_only=True` to load nothing but the text encoders and condition encoders (preprocess.py). `num_frames`
+    (video models only) and `condition_size` (conditioned models only) default to the adapter's own."""
     if model not in ADAPTERS:
         raise UserError(f"unknown model {model!r}; choose one of: {', '.join(ADAPTERS)}")
     extra = {}
     if num_frames is not None:
-        if model != "wan":
-            raise UserError(f"num_frames applies to video models (wan), not to {model}")
+        if not ADAPTERS[model].video:
+            raise UserError(f"num_frames applies to video models, not to {model}")
         extra["num_frames"] = num_frames
+    if condition_size is not None:
+        if ADAPTERS[model].condition_images[1] == 0:
+            raise UserError(f"condition_size applies to conditioned models, not to {model}")
+        extra["condition_size"] = condition_size
     path = resolve_model_path(model, model_path)
     return ADAPTERS[model](path, device, dtype, resolution, max_sequence_length, load_text_encoders, text_only,
                            **extra)

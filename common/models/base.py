@@ -18,6 +18,13 @@ class _Adapter:
     text_components: tuple[str, ...]  # skipped when training from the embedding cache
     true_cfg = False
     max_sequence_limit: int | None = None  # the longest prompt the text encoder path accepts, when bounded
+    # Conditioned models (editing, image-to-video): how many condition images a prompt carries, fewest and most
+    # (None: any number), and the components that encode them, which preprocess.py loads beside the text encoders.
+    # Their `encode_prompts(texts, images)` returns the condition tensors with the text embeddings, so the cache
+    # and every script carry them in the same `cond` dict that `velocity` reads.
+    condition_images: tuple[int, int | None] = (0, 0)
+    video = False  # decodes (batch, frames, 3, H, W) and takes num_frames
+    condition_components: tuple[str, ...] = ()
 
     def _load(self, model_path: str, device, dtype: torch.dtype, load_text_encoders: bool, text_only: bool,
               max_sequence_length: int) -> None:
@@ -33,8 +40,8 @@ class _Adapter:
         # Frozen encoders wait on the CPU between uses when training on an accelerator.
         self.offload_device = torch.device("cpu")
         skip = {} if load_text_encoders else {name: None for name in self.text_components}
-        if text_only:  # preprocess.py: only the text encoders
-            skip.update(transformer=None, vae=None)
+        if text_only:  # preprocess.py: only the text encoders (and what encodes the conditions)
+            skip.update({name: None for name in ("transformer", "vae") if name not in self.condition_components})
         try:
             found = diffusers.DiffusionPipeline.load_config(model_path).get("_class_name")
             if found != self.pipeline_class_name:
@@ -48,6 +55,8 @@ class _Adapter:
                               if name.startswith("text_encoder") and getattr(self.pipe, name, None) is not None]
         for module in self.text_encoders:
             module.requires_grad_(False).to(self.offload_device)
+        for name in self.condition_components:  # frozen, used only under no_grad
+            getattr(self.pipe, name).to(self.device).requires_grad_(False)
         if text_only:
             return
         self.transformer = self.pipe.transformer.to(self.device).requires_grad_(False)
@@ -71,6 +80,38 @@ class _Adapter:
         finally:
             for module in self.text_encoders:
                 module.to(self.offload_device)
+
+    def encode_entry(self, text: str, image_paths: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+        """The conditioning of one text and its condition images (read from their files), batch of one: what the
+        embedding cache stores per entry and what online encoding computes, by the same call."""
+        if not self.condition_images[1] == 0:
+            from common.data import load_images
+
+            return self.encode_prompts([text], [load_images(image_paths)])
+        return self.encode_prompts([text])
+
+    def condition_shape(self, width: int, height: int) -> tuple[int, int]:
+        """(height, width) a condition image of this size is resized to (conditioned adapters say how)."""
+        raise NotImplementedError(f"{self.display_name} takes no condition images")
+
+    def check_condition_shapes(self, records) -> None:
+        """Every condition image of a run must become one shape, so that rows of different prompts batch (and
+        cache) together; else one line naming the first record that differs."""
+        if self.condition_images[1] == 0:
+            return
+        from PIL import Image
+
+        first = None
+        for record in records:
+            for path in record.images:
+                with Image.open(path) as image:
+                    shape = self.condition_shape(*image.size)
+                if first is None:
+                    first = (shape, record.source)
+                elif shape != first[0]:
+                    raise UserError(f"{record.source}: its condition image becomes {shape[1]}×{shape[0]} but "
+                                    f"{first[1]}'s becomes {first[0][1]}×{first[0][0]}: one run needs one size; give "
+                                    f"--condition-size N (a square) or images of one aspect ratio")
 
     def count_truncated(self, texts: list[str]) -> int:
         """How many of `texts` are longer than max_sequence_length tokens of the sequence encoder (T5, UMT5 or the

@@ -78,19 +78,24 @@ class FluxAdapter(_Adapter):
         guidance = torch.full((batch,), guidance_scale, device=latents.device) if self.config.guidance_embeds else None
         prompt_embeds = cond["prompt_embeds"]
         text_ids = torch.zeros(prompt_embeds.shape[1], 3, device=latents.device, dtype=self.dtype)
+        hidden_states, image_ids = self._image_sequence(latents, cond)
         model = self.transformer if transformer is None else transformer
         with self._autocast():
             out = model(
-                hidden_states=latents.to(self.dtype),
+                hidden_states=hidden_states.to(self.dtype),
                 timestep=sigma.to(self.dtype),  # FLUX takes σ (the pipeline passes timestep / 1000)
                 guidance=guidance,
                 pooled_projections=cond["pooled_prompt_embeds"].to(self.dtype),
                 encoder_hidden_states=prompt_embeds.to(self.dtype),
                 txt_ids=text_ids,
-                img_ids=self.image_ids,
+                img_ids=image_ids,
                 return_dict=False,
             )[0]
-        return out.float()
+        return out[:, : latents.shape[1]].float()  # the target's tokens (Kontext appends condition tokens)
+
+    def _image_sequence(self, latents: torch.Tensor, cond: dict[str, torch.Tensor]):
+        """The image tokens the transformer sees and their position ids: the target's alone."""
+        return latents, self.image_ids
 
     # ----- images -------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -20,6 +20,7 @@ class WanAdapter(_Adapter):
     text_components = ("text_encoder", "tokenizer")
     long_tokenizer = "tokenizer"
     true_cfg = True
+    video = True
     # Flow-GRPO's Wan2.1 LoRA targets (the add_* projections exist only in image-to-video checkpoints).
     lora_target_modules = [
         "add_k_proj", "add_q_proj", "add_v_proj", "to_add_out", "to_k", "to_out.0", "to_q", "to_v",
