@@ -80,3 +80,61 @@ def test_both_txt_and_jsonl_and_non_utf8_are_refused(tmp_path):
     (tmp_path / "train.txt").write_bytes(b"a cat\n\xff dog\n")
     with pytest.raises(UserError, match=r"train.txt:2: not UTF-8 text \(byte 0xff at column 1\)"):
         load_prompts(tmp_path, "train")
+
+
+def _edit_folder(tmp_path, lines: list[str]):
+    from PIL import Image
+
+    (tmp_path / "img").mkdir(exist_ok=True)
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "img" / "a.png")
+    Image.new("RGB", (8, 8), "blue").save(tmp_path / "img" / "b.jpg")
+    Image.new("RGB", (8, 8), "blue").save(tmp_path / "img" / "c.gif")
+    (tmp_path / "img" / "broken.png").write_bytes(b"\x89PNG not really")
+    (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
+    return tmp_path
+
+
+def test_condition_images_resolve_against_the_folder_and_key_their_contents(tmp_path):
+    from PIL import Image
+
+    folder = _edit_folder(tmp_path, ['{"prompt": "make it green", "image": "img/a.png"}',
+                                     '{"prompt": "make it green", "images": ["img/b.jpg", "img/a.png"]}',
+                                     '{"prompt": "make it green"}'])
+    one, two, plain = load_prompts(folder, "train")
+    assert one.images == (str((folder / "img" / "a.png").resolve()),) and len(two.images) == 2
+    assert one.source.endswith("train.jsonl:1") and plain.images == ()
+    assert len({one.key, two.key, plain.key}) == 3 and plain.entry() == "make it green" != one.entry()
+    Image.new("RGB", (8, 8), "green").save(folder / "img" / "a.png")  # same path, other contents: other entry
+    assert load_prompts(folder, "train")[0].entry() != one.entry()
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"prompt": "x", "image": "img/missing.png"}', r"train.jsonl:2: condition image 'img/missing.png' does not exist"),
+    ('{"prompt": "x", "image": "img/broken.png"}', r"train.jsonl:2: condition image 'img/broken.png' is not a readable"),
+    ('{"prompt": "x", "image": "img/c.gif"}', r"train.jsonl:2: condition image 'img/c.gif' is GIF; use PNG, JPEG or WebP"),
+    ('{"prompt": "x", "image": "img/a.png", "images": ["img/a.png"]}', r'train.jsonl:2: has both "image" and "images"'),
+    ('{"prompt": "x", "images": []}', r'train.jsonl:2: "image" must be a path and "images" a non-empty list'),
+    ('{"prompt": "x", "image": 3}', r'train.jsonl:2: "image" must be a path'),
+])
+def test_bad_condition_images_name_file_and_line(tmp_path, line, message):
+    folder = _edit_folder(tmp_path, ['{"prompt": "fine", "image": "img/a.png"}', line])
+    with pytest.raises(UserError, match=message):
+        load_prompts(folder, "train")
+
+
+def test_conditions_must_fit_the_model(tmp_path):
+    from common.data import check_conditions
+
+    folder = _edit_folder(tmp_path, ['{"prompt": "a", "image": "img/a.png"}', '{"prompt": "b"}',
+                                     '{"prompt": "c", "images": ["img/a.png", "img/b.jpg"]}'])
+    records = load_prompts(folder, "train")
+    with pytest.raises(UserError, match=r"train.jsonl:1: has a condition image, but flux1 is a text-only model"):
+        check_conditions(records, 0, 0, "flux1")
+    with pytest.raises(UserError, match=r"train.jsonl:2: flux1-kontext needs a condition image"):
+        check_conditions(records[:2], 1, 1, "flux1-kontext")
+    with pytest.raises(UserError, match=r"train.jsonl:3: 2 condition images, but flux1-kontext takes at most 1"):
+        check_conditions([records[0], records[2]], 1, 1, "flux1-kontext")
+    check_conditions([records[0], records[2]], 1, None, "qwen-image-edit")
+    (folder / "test.txt").write_text("plain\n")
+    with pytest.raises(UserError, match=r"test.txt:1: flux1-kontext needs a condition image"):
+        check_conditions(load_prompts(folder, "test"), 1, 1, "flux1-kontext")

@@ -137,3 +137,75 @@ def test_cache_holds_the_condition_latents_bitwise_and_a_changed_image_is_a_new_
                               list(cache_entries(changed, [], False)), inputs["condition"]) != inputs
     scene((200, 30, 30)).save(dataset / "images" / "red.png")  # back, for the other tests of the module
     assert np.array_equal(np.asarray(Image.open(dataset / "images" / "red.png")), np.asarray(scene((200, 30, 30))))
+
+
+@pytest.mark.parametrize("train,flags,message", [
+    ('{"prompt": "make it green", "image": "images/red.png"}\n', ["--model", "flux1"],
+     "train.jsonl:1: has a condition image, but flux1 is a text-only model"),
+    ('{"prompt": "make it green"}\n', ["--model", "flux1-kontext"],
+     "train.jsonl:1: flux1-kontext needs a condition image"),
+    ('{"prompt": "a", "image": "images/red.png"}\n{"prompt": "b", "image": "images/none.png"}\n',
+     ["--model", "flux1-kontext"], "train.jsonl:2: condition image 'images/none.png' does not exist"),
+    ('{"prompt": "a", "image": "images/red.png"}\n{"prompt": "b", "image": "images/wide.png"}\n',
+     ["--model", "flux1-kontext"], "train.jsonl:2: its condition image becomes 1248×832 but"),
+    ('{"prompt": "a", "image": "images/red.png"}\n', ["--model", "flux1-kontext", "--condition-size", "20"],
+     "--condition-size 20 is not a positive multiple of 16"),
+    ('{"prompt": "a"}\n', ["--model", "flux1", "--condition-size", "32"], "--condition-size applies to conditioned"),
+])
+def test_bad_conditions_stop_every_script_before_anything_is_written(dataset, tmp_path, train, flags, message):
+    from conftest import script_error
+
+    folder = tmp_path / "data"
+    (folder / "images").mkdir(parents=True)
+    scene((200, 30, 30)).save(folder / "images" / "red.png")
+    scene((30, 30, 200), size=(48, 32)).save(folder / "images" / "wide.png")
+    (folder / "train.jsonl").write_text(train)
+    (folder / "test.jsonl").write_text(train.splitlines()[0] + "\n")
+    error = script_error("algos/nft.py", "--preset", "tiny", "--model-path", "tiny", "--resolution", "32",
+                         "--prompts-per-epoch", "1",
+                         "--dataset", folder, *flags, "--output-dir", tmp_path / "out")
+    assert message in error, error
+    # nothing written (a real process also removes the empty folder at exit; in-process, atexit has not run)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_two_processes_train_on_conditions(tmp_path, edit_dataset):
+    """grpo on flux1-kontext under 2 processes equals the one-process run (the K samples of a prompt share its
+    condition, whichever process draws them)."""
+    from conftest import ACCELERATE_2CPU, read_metrics, run_script
+
+    args = ["--preset", "tiny", "--model", "flux1-kontext", "--model-path", "tiny", "--resolution", "32",
+            "--condition-size", "32", "--dataset", edit_dataset, "--epochs", "2", "--prompts-per-epoch", "2",
+            "--group-size", "4", "--batch-size", "4", "--num-steps", "4", "--updates-per-epoch", "1",
+            "--eval-every", "1", "--eval-num-prompts", "2", "--max-sequence-length", "16", "--save-every", "0"]
+    run_script("algos/grpo.py", *args, "--output-dir", tmp_path / "one")
+    run_script("algos/grpo.py", *args, "--output-dir", tmp_path / "two", launcher=ACCELERATE_2CPU, timeout=300)
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert [m["num_processes"] for m in two] == [2, 2]
+    for a, b in zip(one, two):
+        for key in ("reward_mean", "eval_reward_mean", "loss", "grad_norm", "ratio_dev_first"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), key
+
+
+def test_preprocess_caches_conditions_and_training_from_it_equals_online(tmp_path, edit_dataset):
+    """preprocess.py stores the condition latents with the text embeddings; a run that finds the cache loads no
+    text encoder and logs what the online run logs."""
+    from conftest import read_metrics, run_script
+
+    shape = ["--model", "flux1-kontext", "--model-path", "tiny", "--dataset", edit_dataset, "--resolution", "32",
+             "--condition-size", "32", "--max-sequence-length", "16"]
+    result = run_script("preprocess.py", *shape, "--cache-dir", tmp_path / "cache")
+    assert "encoded 6 entries" in result.stdout, result.stdout
+    args = [*shape, "--preset", "tiny", "--epochs", "2", "--prompts-per-epoch", "2", "--group-size", "4",
+            "--batch-size", "4", "--num-steps", "4", "--train-timesteps", "2", "--eval-every", "1",
+            "--eval-num-prompts", "2", "--save-every", "0"]
+    cached = run_script("algos/nft.py", *args, "--cache-dir", tmp_path / "cache", "--output-dir", tmp_path / "c")
+    assert f"prompt embeddings: {tmp_path / 'cache'}" in cached.stdout
+    run_script("algos/nft.py", *args, "--no-cache", "--output-dir", tmp_path / "o")
+    strip = lambda ms: [{k: v for k, v in m.items() if not k.endswith(("_time_s", "peak_memory_gb"))}  # noqa: E731
+                        for m in ms]
+    assert strip(read_metrics(tmp_path / "c")) == strip(read_metrics(tmp_path / "o"))
+    # Another condition size is another cache: the explicit one is refused as stale, naming what differs.
+    stale = run_script("algos/nft.py", *args, "--condition-size", "16", "--cache-dir", tmp_path / "cache",
+                       "--output-dir", tmp_path / "s", check=False)
+    assert stale.returncode == 2 and "differs in: condition" in stale.stderr, stale.stderr
