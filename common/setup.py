@@ -27,7 +27,7 @@ from common.shadow import ReferencePolicy, ShadowPolicy
 from common.tracking import MetricsLog, check_finite, format_metrics, log_image, save_image_grid
 from common.training import EMA, add_lora, lr_scheduler, trainable_parameters
 from common.utils import RunStopped, UserError, peak_memory_gb, resolve_dtype
-from rewards import load_rewards, score_samples
+from rewards import condition_tensors, load_rewards, score_samples
 
 
 @dataclass
@@ -295,9 +295,12 @@ def evaluate(run: Run, epoch: int) -> dict:
             x0 = sample(velocity, adapter.noise(sample_generators(seeds, run.device)), sigmas, "ode")
             images = adapter.decode(x0)
             texts = [prompts[i].prompt for i, _ in batch]
-            raw = score_samples(pointwise, images, texts, torch.tensor([prompts[i].key for i, _ in batch]))
+            conditions = [prompts[i].images for i, _ in batch]
+            raw = score_samples(pointwise, images, texts, torch.tensor([prompts[i].key for i, _ in batch]),
+                                conditions=conditions)
             checks = {f"{r.name}_{name}": values for r in pointwise if hasattr(r.score, "checks")
-                      for name, values in r.score.checks(images, texts).items()}
+                      for name, values in r.score.checks(images, texts, *(
+                          [condition_tensors(conditions)] if r.wants_conditions else [])).items()}
             for row, (i, s) in enumerate(batch):
                 results.append(((i, s), raw[row].tolist(), {k: float(v[row]) for k, v in checks.items()},
                                 images[row].cpu() if s < 8 else None))
@@ -377,5 +380,6 @@ def score_epoch(run: Run, images: torch.Tensor, records: list, group_ids: torch.
     all group ids (N,)). Group statistics then see every sample of a group, whichever process drew it."""
     from accelerate.utils import gather
 
-    raw = score_samples(run.rewards, images, [r.prompt for r in records], group_ids, run.accelerator)
+    raw = score_samples(run.rewards, images, [r.prompt for r in records], group_ids, run.accelerator,
+                        [r.images for r in records])
     return gather(raw.to(run.device)).cpu(), gather(group_ids.to(run.device)).cpu()

@@ -14,6 +14,9 @@ The interface a reward follows (the built-in ones and the user's alike):
         def __init__(self, device=None, dtype=torch.float32, **options): ...   # options: strings from SPEC
         def __call__(self, images, prompts):  # images (B, 3, H, W) floats in [0, 1]; prompts B strings
             return scores                     # B finite numbers (list, numpy or torch)
+A reward that judges an edit or an image-to-video sample against its input sets `wants_conditions = True` and is
+called as `__call__(images, prompts, conditions)`: conditions[i] is the list of sample i's condition images, each a
+(3, h, w) float tensor in [0, 1] at its file's own size. Every other reward is called as before.
 `__init__` gets `device`/`dtype` only when it names them. A plain function `(images, prompts) -> scores` works
 too (pointwise, no options). Rewards are called under torch.no_grad on detached images; one that raises or
 returns NaN/inf or the wrong number of scores stops the run with an error naming it.
@@ -45,6 +48,7 @@ class Reward:
     weight: float
     score: Callable
     groupwise: bool = False
+    wants_conditions: bool = False  # called with the samples' condition images (edit, image-to-video rewards)
 
 
 # name -> (factory(device, dtype, **options) -> score callable, groupwise). A score object's own `groupwise`
@@ -150,7 +154,7 @@ def load_rewards(specs: list[str], device=None, dtype=torch.float32) -> list[Rew
             default_name = source
         name = name or getattr(scorer, "name", None) or default_name
         groupwise = bool(getattr(scorer, "groupwise", groupwise))
-        rewards.append(Reward(name, weight, scorer, groupwise))
+        rewards.append(Reward(name, weight, scorer, groupwise, bool(getattr(scorer, "wants_conditions", False))))
     names = [r.name for r in rewards]
     if len(set(names)) != len(names):
         raise UserError(f"two rewards are named {max(names, key=names.count)!r} in {specs}: "
@@ -158,16 +162,33 @@ def load_rewards(specs: list[str], device=None, dtype=torch.float32) -> list[Rew
     return rewards
 
 
-def call_reward(reward: Reward, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+def condition_tensors(paths_per_sample) -> list[list[torch.Tensor]]:
+    """Each sample's condition image files as (3, h, w) float tensors in [0, 1] (what a reward that wants
+    conditions receives)."""
+    from common.data import load_images
+
+    return [[torch.from_numpy(np.array(image)).permute(2, 0, 1).float() / 255 for image in load_images(paths)]
+            for paths in paths_per_sample]
+
+
+def call_reward(reward: Reward, images: torch.Tensor, prompts: list[str], conditions=None) -> torch.Tensor:
     """Scores of one call as float64 (B,), off the graph; any failure becomes a one-line UserError naming
     the reward (with where it was raised, since the traceback is not printed). Video (B, F, 3, H, W): every
-    frame index is scored as one batch of images and the scores are averaged over frames."""
+    frame index is scored as one batch of images and the scores are averaged over frames. `conditions`: each
+    sample's condition images (`condition_tensors`), passed to a reward that wants them."""
     if images.ndim == 5:
-        return torch.stack([call_reward(reward, images[:, f], prompts) for f in range(images.shape[1])]).mean(0)
+        return torch.stack([call_reward(reward, images[:, f], prompts, conditions)
+                            for f in range(images.shape[1])]).mean(0)
     count = len(prompts)
+    extra = ()
+    if reward.wants_conditions:
+        if conditions is None or not any(conditions):
+            raise UserError(f"reward {reward.name!r} judges samples against their condition images, but these "
+                            f"samples have none (train a conditioned model on a dataset with \"image\" fields)")
+        extra = (conditions,)
     try:
         with torch.no_grad():
-            values = reward.score(images.detach(), list(prompts))
+            values = reward.score(images.detach(), list(prompts), *extra)
     except UserError:
         raise
     except Exception as error:
@@ -189,7 +210,7 @@ def call_reward(reward: Reward, images: torch.Tensor, prompts: list[str]) -> tor
     return values
 
 
-def _gather_everything(images, prompts, group_ids, accelerator):
+def _gather_everything(images, prompts, group_ids, accelerator, conditions):
     """All processes' samples (in rank order) and where this process's start; counts may differ by rank."""
     from accelerate.utils import gather, gather_object, pad_across_processes
 
@@ -200,12 +221,14 @@ def _gather_everything(images, prompts, group_ids, accelerator):
     all_images, all_ids, size = gather(padded_images).cpu(), gather(padded_ids).cpu(), max(counts)
     keep = torch.cat([torch.arange(r * size, r * size + c) for r, c in enumerate(counts)])
     all_prompts = gather_object(list(prompts))
-    return all_images[keep], all_prompts, all_ids[keep], sum(counts[:accelerator.process_index])
+    all_conditions = gather_object(list(conditions)) if conditions is not None else None
+    return all_images[keep], all_prompts, all_ids[keep], all_conditions, sum(counts[:accelerator.process_index])
 
 
 def score_samples(rewards: list[Reward], images: torch.Tensor, prompts: list[str], group_ids: torch.Tensor,
-                  accelerator=None) -> torch.Tensor:
-    """Raw scores (batch, num_rewards), float64 on the CPU, for this process's samples.
+                  accelerator=None, conditions=None) -> torch.Tensor:
+    """Raw scores (batch, num_rewards), float64 on the CPU, for this process's samples. `conditions`: each
+    sample's condition image paths (a tuple, empty for text-only prompts), read only for rewards that want them.
 
     Groupwise rewards need every sample of a group: the samples of all processes are gathered (once), each
     process scores the groups it leads (round-robin over the sorted group ids), and the scores are summed
@@ -216,20 +239,25 @@ def score_samples(rewards: list[Reward], images: torch.Tensor, prompts: list[str
         raise ValueError(f"{len(images)} images, {len(prompts)} prompts and {len(group_ids)} group ids differ")
     world = accelerator.num_processes if accelerator is not None else 1
     columns, everything = [], None
+    loaded = condition_tensors(conditions) if conditions is not None and any(r.wants_conditions for r in rewards) \
+        else None
     for reward in rewards:
         if not reward.groupwise:
-            columns.append(call_reward(reward, images, prompts))
+            columns.append(call_reward(reward, images, prompts, loaded))
             continue
         if everything is None:
-            everything = (_gather_everything(images, prompts, group_ids, accelerator) if world > 1
-                          else (images.detach().cpu(), list(prompts), group_ids.cpu(), 0))
-        all_images, all_prompts, all_ids, start = everything
+            everything = (_gather_everything(images, prompts, group_ids, accelerator, conditions) if world > 1
+                          else (images.detach().cpu(), list(prompts), group_ids.cpu(), conditions, 0))
+        all_images, all_prompts, all_ids, all_conditions, start = everything
         scores = torch.zeros(len(all_prompts), dtype=torch.float64)
         for g, gid in enumerate(torch.unique(all_ids).tolist()):
             if world > 1 and g % world != accelerator.process_index:
                 continue
             members = (all_ids == gid).nonzero().flatten()
-            scores[members] = call_reward(reward, all_images[members], [all_prompts[i] for i in members])
+            group_conditions = (condition_tensors([all_conditions[i] for i in members])
+                                if reward.wants_conditions and all_conditions is not None else None)
+            scores[members] = call_reward(reward, all_images[members], [all_prompts[i] for i in members],
+                                          group_conditions)
         if world > 1:
             from accelerate.utils import reduce
 

@@ -7,8 +7,9 @@ packages are installed):
 Client, in the training command:
     --reward remote:1.0,url=http://127.0.0.1:8000[,timeout=120,retries=3,batch_size=32,name=...]
 
-Protocol: GET /info -> {"name", "groupwise"}; POST /score {"prompts": [...], "images": [base64 PNG, ...]}
--> {"scores": [...]} or, when the reward fails, status 500 {"error": "..."}. Images travel as 8-bit PNG
+Protocol: GET /info -> {"name", "groupwise", "wants_conditions"}; POST /score {"prompts": [...], "images":
+[base64 PNG, ...]} (plus "conditions": [[base64 PNG, ...] per sample] for a reward that wants them) -> {"scores":
+[...]} or, when the reward fails, status 500 {"error": "..."}. Images travel as 8-bit PNG
 (lossless for the round(255·x) images that the built-in rewards score anyway).
 """
 
@@ -70,6 +71,7 @@ class RemoteReward:
         info = self._request("/info")
         self.reached = True  # from now on a refused connection means the server went down
         self.name, self.groupwise = str(info["name"]), bool(info["groupwise"])
+        self.wants_conditions = bool(info.get("wants_conditions", False))  # servers before conditions omit it
 
     def _open(self, request, what: str):
         """urlopen in a thread, so that a slow server is reported after a few seconds instead of in silence."""
@@ -127,13 +129,16 @@ class RemoteReward:
                 "start it with `python -m rewards.server --reward NAME --port PORT`")
         raise UserError(f"reward server {self.url} is not reachable ({reason}) after {self.retries + 1} tries; {hint}")
 
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> list[float]:
+    def __call__(self, images: torch.Tensor, prompts: list[str], conditions=None) -> list[float]:
         # A groupwise reward must see its whole group in one request.
         step = len(prompts) if self.groupwise else self.batch_size
         scores = []
         for start in range(0, len(prompts), max(step, 1)):
             chunk = list(prompts[start:start + step])
-            answer = self._request("/score", {"prompts": chunk, "images": encode_images(images[start:start + step])},
-                                   what=f"/score ({len(chunk)} images)")
+            payload = {"prompts": chunk, "images": encode_images(images[start:start + step])}
+            if conditions is not None:
+                payload["conditions"] = [encode_images(torch.stack(c)) if c else [] for c in
+                                         conditions[start:start + step]]
+            answer = self._request("/score", payload, what=f"/score ({len(chunk)} images)")
             scores += answer["scores"]
         return scores

@@ -28,7 +28,8 @@ def make_server(reward, host: str = "127.0.0.1", port: int = 0) -> HTTPServer:
         def do_GET(self):
             if self.path != "/info":
                 return self._send(404, {"error": f"unknown route {self.path}; use GET /info or POST /score"})
-            self._send(200, {"name": reward.name, "groupwise": reward.groupwise})
+            self._send(200, {"name": reward.name, "groupwise": reward.groupwise,
+                             "wants_conditions": reward.wants_conditions})
 
         def do_POST(self):
             if self.path != "/score":
@@ -36,10 +37,13 @@ def make_server(reward, host: str = "127.0.0.1", port: int = 0) -> HTTPServer:
             try:
                 request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
                 images, prompts = decode_images(request["images"]), list(request["prompts"])
+                conditions = None
+                if "conditions" in request:  # each sample's condition images, as (3, h, w) tensors
+                    conditions = [list(decode_images(c)) if c else [] for c in request["conditions"]]
             except Exception as error:
                 return self._send(400, {"error": f"malformed request: {error}"})
             try:
-                scores = call_reward(reward, images, prompts)
+                scores = call_reward(reward, images, prompts, conditions)
             except Exception as error:  # reported to the client, which stops its run with this message
                 return self._send(500, {"error": str(error)})
             self.server.requests_served += 1
