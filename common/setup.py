@@ -313,11 +313,27 @@ def evaluate(run: Run, epoch: int) -> dict:
         out[f"eval_{key}"] = sum(r[2][key] for r in results) / len(results)
     if accelerator.is_main_process:
         shown = min(args.eval_seeds, 8)
-        picture = save_image_grid(torch.stack([r[3] for r in results if r[3] is not None]),
-                                  run.output_dir / "eval" / f"epoch_{epoch:06d}.png", columns=shown,
+        samples = torch.stack([r[3] for r in results if r[3] is not None])
+        if any(p.images for p in prompts):  # edits and image-to-video: each row starts with its condition image
+            samples, shown = _with_conditions(samples, prompts, shown), shown + 1
+        picture = save_image_grid(samples, run.output_dir / "eval" / f"epoch_{epoch:06d}.png", columns=shown,
                                   captions=[p.prompt for p in prompts])
         log_image(accelerator, "eval/samples", picture, epoch)
     return out
+
+
+def _with_conditions(samples: torch.Tensor, prompts: list, per_row: int) -> torch.Tensor:
+    """The evaluation grid's cells with each prompt's (first) condition image before its samples, resized to them
+    (videos: repeated over the frames)."""
+    cells = []
+    for row, prompt in enumerate(prompts):
+        (condition,) = condition_tensors([prompt.images[:1]])[0]
+        condition = torch.nn.functional.interpolate(condition[None], size=samples.shape[-2:], mode="bilinear",
+                                                    antialias=True)[0].clamp(0, 1)
+        if samples.ndim == 5:
+            condition = condition.expand(samples.shape[1], *condition.shape)
+        cells += [condition, *samples[row * per_row:(row + 1) * per_row]]
+    return torch.stack(cells)
 
 
 def log_epoch(run: Run, metrics: dict, show: list[str], bar=None) -> None:
