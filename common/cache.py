@@ -101,12 +101,15 @@ def fingerprint_inputs(model: str, model_path: str, max_sequence_length: int, dt
                        texts: list[str], condition: dict | None = None) -> dict:
     """What an embedding depends on. `condition` (conditioned models): the settings that change the condition
     tensors (resolution, condition size); the weights of the components that encode conditions are covered too."""
-    components = ADAPTERS[model].condition_components if model in ADAPTERS else ()
+    known = ADAPTERS.get(model)
+    components = (*known.text_components, *known.condition_components) if known else ()
     folder, revision = _local_model_folder(model_path, components)
     if not (folder / "model_index.json").is_file():
         raise UserError(f"{model_path!r} has no model_index.json: it is not a diffusers pipeline folder")
     index = json.loads((folder / "model_index.json").read_text())
     encoders = {}
+    # Every component whose output the cache holds: the text components (text encoders, tokenizers, and the image
+    # encoders and processors of conditioned models) and the condition encoders.
     parts = ("text_encoder", "tokenizer", *components)
     for name in sorted(k for k in index if k.startswith(parts)):
         if index[name] in (None, [None, None]) or not (folder / name).is_dir():

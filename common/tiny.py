@@ -259,11 +259,120 @@ def _build_flux1_kontext(path: Path) -> None:
 
 
 def _build_qwen_image_edit(path: Path) -> None:
-    raise NotImplementedError("in progress")
+    """Qwen-Image-Edit-2511-like: `_build_qwen_image`'s 2-layer Qwen2.5-VL, whose 1-block vision tower now sees the
+    condition images through a real Qwen2VLProcessor (4 to 16 vision tokens per image), the QwenImage VAE,
+    scheduler and MMDiT, the latter with 2511's zero_cond_t (condition tokens modulated at t = 0). The tokenizer
+    is `tiny_qwen2_tokenizer` plus merges that make each word of the Edit pipeline's chat-template prefix and of
+    "Picture 1: " one token, as the real vocabulary does, so that the prefix the pipeline drops
+    (`prompt_template_encode_start_idx` = 64 tokens) is exactly the system prompt + "user\n"."""
+    import json
+    import re
+
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPlusPipeline,
+                           QwenImageTransformer2DModel)
+    from tokenizers.models import BPE
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer,
+                              Qwen2VLImageProcessorPil, Qwen2VLProcessor, Qwen2VLVideoProcessor)
+
+    from common.models.qwen_image_edit import processor_needs_torchvision
+    from common.utils import UserError
+
+    if processor_needs_torchvision():
+        raise UserError("the tiny Qwen-Image-Edit pipeline needs torchvision: this transformers builds "
+                        "Qwen2VLProcessor only with it; pip install torchvision")
+    torch.manual_seed(TINY_SEED)
+    vae = AutoencoderKLQwenImage(
+        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 2.5, 1.0],
+    )
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=4 * 4, out_channels=4, num_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6), zero_cond_t=True,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
+        max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+    )
+    # The pipeline first without its text side: its own chat template says which words the tokenizer needs.
+    pipe = QwenImageEditPlusPipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, processor=None,
+                                     transformer=transformer)
+    base = tiny_qwen2_tokenizer()
+    model = json.loads(base.backend_tokenizer.to_str())["model"]
+    vocab, merges = dict(model["vocab"]), [tuple(pair) for pair in model["merges"]]
+    specials = sorted(base.get_added_vocab(), key=base.get_added_vocab().get)  # <|endoftext|>, <|im_start|>, ...
+    text = pipe.prompt_template_encode.split("{}")[0] + "Picture 1: "
+    chunks = re.split("|".join(map(re.escape, specials)), text)
+    words = [w for chunk in chunks for w, _ in base.backend_tokenizer.pre_tokenizer.pre_tokenize_str(chunk)]
+    for word in dict.fromkeys(words):
+        # Merge the first two pieces BPE leaves until one remains. New merges rank last, so they never change
+        # how an earlier word (or a Qwen-Image template word) is split.
+        while len(pieces := [t.value for t in BPE(vocab=vocab, merges=merges).tokenize(word)]) > 1:
+            merges.append((pieces[0], pieces[1]))
+            vocab.setdefault(pieces[0] + pieces[1], len(vocab))
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, additional_special_tokens=specials[1:],
+                               model_max_length=2048)
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, rope_theta=1e6,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+            bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+        ),
+        # The real tower's patching (14-pixel patches, 2x2 merge, 2 frames): the processor's defaults.
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           fullatt_block_indexes=[0]),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+    )
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+    video = {}
+    if "video_processor" in Qwen2VLProcessor.get_attributes():  # required by transformers, unused by the pipeline
+        video["video_processor"] = Qwen2VLVideoProcessor()
+    # 28 = patch 14 x merge 2: one image token per 28x28 pixels, 4 to 16 tokens per image.
+    processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28,
+                                                                          max_pixels=16 * 28 * 28),
+                                 tokenizer=tokenizer, **video)
+    pipe.register_modules(text_encoder=text_encoder, tokenizer=tokenizer, processor=processor)
+    pipe.save_pretrained(path, safe_serialization=True)
 
 
 def _build_wan_i2v(path: Path) -> None:
-    raise NotImplementedError("in progress")
+    """Wan2.1-I2V-like: `_build_wan`'s UMT5 and VAE, a CLIP vision encoder whose penultimate hidden states feed
+    the transformer's image projection (image_dim), and a transformer that takes the noise, the first-frame mask
+    (one channel per frame of a latent frame: 4) and the condition latents: in_channels = 2·z_dim + 4."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config,
+                              UMT5EncoderModel)
+
+    tokenizer = tiny_t5_tokenizer(max_length=512)
+    torch.manual_seed(TINY_SEED)
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(vocab_size=len(tokenizer), d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
+                   relative_attention_num_buckets=8)
+    )
+    # 32x32 inputs in 8x8 patches: 16 patch tokens + the class token, as ViT-H/14's 256 + 1 at 224.
+    image_encoder = CLIPVisionModel(
+        CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         image_size=32, patch_size=8, projection_dim=16)
+    )
+    # The real checkpoint's preprocessing (CLIP mean/std, shortest-edge resize, centre crop) at 32 pixels.
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    vae = AutoencoderKLWan(
+        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 2.5, 1.0],
+    )
+    # added_kv_proj_dim = the inner dim (as in the 14B model): the image tokens are projected to it first.
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=2 * 4 + 4, out_channels=4,
+        text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=64, image_dim=16,
+        added_kv_proj_dim=24,
+    )
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    pipe = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, image_encoder=image_encoder,
+                                   image_processor=image_processor, transformer=transformer, vae=vae,
+                                   scheduler=scheduler)
+    pipe.save_pretrained(path, safe_serialization=True)
 
 
 TINY_BUILDERS = {"flux1": _build_flux1, "sd3": _build_sd3, "qwen-image": _build_qwen_image, "wan": _build_wan,

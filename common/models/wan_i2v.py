@@ -1,14 +1,156 @@
-"""Wan2.1 image-to-video (`WanImageToVideoPipeline`): the condition image is the first frame."""
+"""Wan2.1 image-to-video (`WanImageToVideoPipeline`): the condition image is the first frame. Its CLIP embeddings
+join the text as extra cross-attention tokens, and its VAE latents (the first frame followed by black frames) with
+a first-frame mask are concatenated to the noisy latents along channels, as the pipeline does."""
 
 import torch
 
 from common.models.wan import WanAdapter
+from common.utils import UserError
 
 
 class WanImageToVideoAdapter(WanAdapter):
-    """IN PROGRESS (helper): see the module docstring."""
+    """Wan2.1-I2V over `WanImageToVideoPipeline`'s components: `WanAdapter` (UMT5, the Wan VAE, the UniPC σ
+    schedule and integer timesteps, true CFG) plus the condition image, which is the video's first frame at the
+    output size. `encode_prompts` returns, per prompt and its image:
+
+    - `prompt_embeds`: UMT5 states (as `WanAdapter`);
+    - `image_embeds`: the CLIP vision encoder's penultimate hidden states (`pipe.encode_image`), the
+      transformer's `encoder_hidden_states_image`;
+    - `image_condition`: (4 mask + z_dim) channels × latent frames × H/8 × W/8, the tensor `prepare_latents`
+      builds and the pipeline concatenates after the noisy latents, in the model dtype (the pipeline casts the
+      concatenation to it, so storing it cast changes nothing).
+
+    All three depend only on the prompt and its image, so the embedding cache holds them and training loads
+    neither the text nor the image encoder."""
 
     pipeline_class_name = "WanImageToVideoPipeline"
     display_name = "Wan I2V"
+    default_guidance_scale = 5.0  # the pipeline's default and its model card's example
+    # CLIP (image_encoder, image_processor) only feeds `image_embeds`, which the cache holds.
+    text_components = ("text_encoder", "tokenizer", "image_encoder", "image_processor")
     condition_images = (1, 1)
-    condition_components = ("vae",)
+    condition_components = ("vae",)  # condition latents are cached: preprocess.py VAE-encodes them
+    text_tokens = 512  # WanAttnProcessor takes all but the last 512 context tokens as image tokens (hardcoded)
+
+    def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
+                 max_sequence_length: int = 512, load_text_encoders: bool = True, text_only: bool = False,
+                 condition_size: int | None = None, num_frames: int = 33):
+        if condition_size is not None and condition_size != resolution:
+            raise UserError(f"--condition-size {condition_size} differs from --resolution {resolution}: for "
+                            f"{self.display_name} the condition image is the video's first frame, at the output size")
+        if max_sequence_length != self.text_tokens:
+            raise UserError(f"max_sequence_length {max_sequence_length} is not {self.text_tokens}, as "
+                            f"{self.display_name} requires (its transformer splits image from text tokens at "
+                            f"{self.text_tokens} text tokens)")
+        from diffusers.utils import is_ftfy_available
+
+        if load_text_encoders and not is_ftfy_available():  # WanImageToVideoPipeline cleans prompts with it, unguarded
+            raise UserError(f"{self.display_name}'s prompt encoding needs the ftfy package: pip install ftfy")
+        self._refuse_unsupported(model_path)
+        self._load(model_path, device, dtype, load_text_encoders, text_only, max_sequence_length)
+        if self.pipe.image_encoder is not None:  # frozen like the text encoder, parked on the CPU between uses
+            self.pipe.image_encoder.requires_grad_(False).to(self.offload_device)
+            self.text_encoders.append(self.pipe.image_encoder)
+        elif load_text_encoders:
+            raise UserError(f"{model_path!r} has no CLIP image_encoder: it is not a Wan2.1 image-to-video checkpoint")
+        # What the condition tensors need is set before the text-only return: preprocess.py builds them.
+        self.vae_scale_factor = self.pipe.vae_scale_factor_spatial
+        self.temporal_factor = self.pipe.vae_scale_factor_temporal
+        transformer_config = (self.pipe.transformer.config if self.pipe.transformer is not None
+                              else self._transformer_config(model_path))
+        self._check_resolution(resolution, self.vae_scale_factor * transformer_config["patch_size"][1])
+        if num_frames < 1 or (num_frames - 1) % self.temporal_factor:
+            raise UserError(f"num_frames {num_frames} is not {self.temporal_factor}k + 1 (e.g. 33 or 81), "
+                            f"as the Wan VAE requires")
+        self.height = self.width = resolution
+        self.num_frames = num_frames
+        self.condition_size = condition_size
+        if transformer_config["image_dim"] is None:
+            raise UserError(f"{model_path!r}: its transformer has no image projection (image_dim); only Wan2.1 "
+                            f"image-to-video checkpoints are supported")
+
+    def _refuse_unsupported(self, model_path: str) -> None:
+        """Refuse Wan2.2 image-to-video checkpoints (two experts switched at boundary_ratio, or TI2V's per-token
+        timesteps) from model_index.json alone, before any weights load. Unreadable configs are left to `_load`,
+        which reports them."""
+        import diffusers
+
+        try:
+            config = diffusers.DiffusionPipeline.load_config(model_path)
+        except (OSError, ValueError):
+            return
+        if config.get("_class_name") != self.pipeline_class_name:
+            return
+        two_experts = (config.get("transformer_2") or [None])[0] is not None or config.get("boundary_ratio") is not None
+        if two_experts or config.get("expand_timesteps", False):
+            raise UserError(f"{model_path!r} is a Wan2.2 two-expert or per-token-timestep image-to-video checkpoint; "
+                            f"only single-transformer Wan2.1 image-to-video checkpoints are supported for now")
+
+    def _transformer_config(self, model_path: str) -> dict:
+        """The transformer's config without its weights (text-only loads)."""
+        import diffusers
+
+        try:
+            return diffusers.WanTransformer3DModel.load_config(model_path, subfolder="transformer")
+        except (OSError, ValueError) as err:
+            raise UserError(f"cannot read the transformer config of {model_path!r}: "
+                            f"{str(err).splitlines()[0]}") from err
+
+    def condition_shape(self, width: int, height: int) -> tuple[int, int]:
+        """Every condition image becomes the output size, as `video_processor.preprocess(image, height, width)`."""
+        return self.height, self.width
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str], images: list[list]) -> dict[str, torch.Tensor]:
+        """Prompt embeddings, CLIP image embeddings and first-frame condition latents, one row per prompt (see the
+        class docstring)."""
+        if len(images) != len(prompts) or any(len(group) != 1 for group in images):
+            raise ValueError(f"{self.display_name} takes exactly one condition image per prompt")
+        cond = super().encode_prompts(prompts)
+        pipe, channels = self.pipe, self.pipe.vae.config.z_dim
+        latent_shape = (1, channels, (self.num_frames - 1) // self.temporal_factor + 1,
+                        self.height // self.vae_scale_factor, self.width // self.vae_scale_factor)
+        embeds, conditions = [], []
+        for (image,) in images:
+            embeds.append(pipe.encode_image(image, self.device))  # CLIP sees the image as given, as in the pipeline
+            pixels = pipe.video_processor.preprocess(image, height=self.height, width=self.width)
+            # Given latents, prepare_latents draws no noise (the global RNG stays untouched); its condition is the
+            # VAE mode of [first frame, zeros...], normalised, after the first-frame mask.
+            _, condition = pipe.prepare_latents(
+                pixels.to(self.device, torch.float32), 1, channels, self.height, self.width, self.num_frames,
+                torch.float32, self.device, generator=None, latents=torch.zeros(latent_shape, device=self.device))
+            conditions.append(condition.to(self.dtype))
+        return {**cond, "image_embeds": torch.cat(embeds), "image_condition": torch.cat(conditions)}
+
+    def noise(self, generators: list[torch.Generator]) -> torch.Tensor:
+        """Initial latents (batch, z_dim, latent frames, H/8, W/8), float32: the VAE's channels, not the
+        transformer's in_channels (which add the mask and condition channels)."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        shape = (len(generators), self.vae.config.z_dim, (self.num_frames - 1) // self.temporal_factor + 1,
+                 self.height // self.vae_scale_factor, self.width // self.vae_scale_factor)
+        return randn_tensor(shape, generator=generators, device=self.device, dtype=torch.float32)
+
+    def velocity(self, latents: torch.Tensor, sigma, cond: dict[str, torch.Tensor],
+                 guidance_scale: float = 5.0, transformer=None) -> torch.Tensor:
+        """v_θ(x_σ, σ, c) in float32 over [x_σ, image_condition] along channels; with guidance_scale > 1 the
+        negative and positive prompts run as one batch of 2B, v_neg + w·(v_pos − v_neg). As in the pipeline,
+        only the text differs between the two branches: both see the same image embeddings and condition
+        latents (the cache's negative_image_* copies are equal and unused)."""
+        batch = latents.shape[0]
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(batch)
+        timestep, embeds, image_embeds = self._timestep(sigma), cond["prompt_embeds"], cond["image_embeds"]
+        x = torch.cat([latents, cond["image_condition"].to(latents.dtype)], dim=1)
+        cfg = self._with_negatives(cond, guidance_scale)
+        if cfg:
+            embeds = torch.cat([cond["negative_prompt_embeds"], embeds])
+            image_embeds = torch.cat([image_embeds, image_embeds])
+            x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
+        model = self.transformer if transformer is None else transformer
+        with self._autocast():
+            out = model(hidden_states=x.to(self.dtype), timestep=timestep, encoder_hidden_states=embeds.to(self.dtype),
+                        encoder_hidden_states_image=image_embeds.to(self.dtype), return_dict=False)[0].float()
+        if cfg:
+            uncond, text = out.chunk(2)
+            out = uncond + guidance_scale * (text - uncond)
+        return out
