@@ -11,7 +11,8 @@ from typing import Literal
 import torch
 from accelerate import Accelerator
 
-from common.cache import build_cache, cache_entries, condition_inputs, default_cache_root, fingerprint_inputs, open_cache
+from common.cache import (build_cache, cache_entries, condition_inputs, default_cache_root, fingerprint_inputs,
+                          open_cache)
 from common.cli import parse_args
 from common.data import DEFAULT_DATASET, check_conditions, load_prompts
 from common.models import ADAPTERS, load_adapter, resolve_model_path
@@ -79,6 +80,7 @@ if __name__ == "__main__":
                                num_frames=args.num_frames, condition_size=args.condition_size)
         adapter.check_condition_shapes(records)
         folder = build_cache(accelerator, adapter, entries, root, inputs, args.shard_size)
-        accelerator.print(f"encoded {len(entries)} {'entries' if condition else 'texts'} on {accelerator.num_processes} process(es) in "
+        what = "entries" if condition else "texts"
+        accelerator.print(f"encoded {len(entries)} {what} on {accelerator.num_processes} process(es) in "
                           f"{time.time() - start:.1f} s -> {folder}")
     accelerator.end_training()

@@ -23,6 +23,7 @@ from common.timesampling import (check_time_sampling, sample_train_noise, sample
 from common.toy import TOY_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
 from common.utils import UserError
+from rewards import load_run_rewards
 
 
 COLLAPSE_WARNING = ("turning off BOTH the EMA-KL term (--ema-kl-beta 0) and the PPO clip (--clip-range inf) tends to "
@@ -152,7 +153,8 @@ if __name__ == "__main__":
         print(f"warning: {COLLAPSE_WARNING}", flush=True)
     # The EMA of θ (a second LoRA adapter "ema", or a frozen copy): the off-policy sampler and the EMA-KL anchor.
     use_ema = args.off_policy or args.ema_kl_beta > 0
-    run = setup(args, shadows=("ema",) if use_ema else (), reference_copy=args.kl_beta > 0, cfg_free=True)
+    run = setup(args, load_run_rewards(args), shadows=("ema",) if use_ema else (),
+                reference_copy=args.kl_beta > 0, cfg_free=True)
     adapter, sigmas, guidance, device = run.adapter, run.sigmas, run.guidance, run.device
     ema = run.shadows.get("ema")
     num_train = args.train_timesteps

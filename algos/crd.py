@@ -27,6 +27,7 @@ from common.timesampling import (check_time_sampling, eligible_steps, sample_tra
 from common.toy import TOY_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
 from common.utils import UserError
+from rewards import load_run_rewards
 
 
 @dataclass
@@ -184,7 +185,8 @@ if __name__ == "__main__":
     if args.dynamics == "cps" and not 0 <= args.noise_level <= 1:
         raise UserError(f"--dynamics cps needs --noise-level in [0, 1], got {args.noise_level}")
     # old and sampler: second and third LoRA adapters (or frozen copies when fully fine-tuning), equal to θ at first.
-    run = setup(args, shadows=("old", "sampler"), reference_copy=args.kl_beta > 0, cfg_free=True)
+    run = setup(args, load_run_rewards(args), shadows=("old", "sampler"),
+                reference_copy=args.kl_beta > 0, cfg_free=True)
     adapter, sigmas, guidance, device = run.adapter, run.sigmas, run.guidance, run.device
     old, sampler = run.shadows["old"], run.shadows["sampler"]
     kl_cfg = args.kl_cfg if args.kl_cfg is not None else adapter.default_guidance_scale

@@ -25,6 +25,7 @@ from common.timesampling import sample_train_noise, training_generators, trainin
 from common.toy import TOY_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
 from common.utils import UserError
+from rewards import load_run_rewards
 
 
 @dataclass
@@ -165,7 +166,7 @@ if __name__ == "__main__":
     need_ref = not args.use_ema_ref or args.kl_beta > 0  # the frozen reference: preference term and/or KL
     need_old = args.use_ema_ref or args.clip_range != float("inf")  # ema_ref in training: clip and/or reference
     # ema_ref: a second LoRA adapter (or a frozen copy when fully fine-tuning), equal to θ at the start.
-    run = setup(args, shadows=("ema_ref",), reference_copy=need_ref)
+    run = setup(args, load_run_rewards(args), shadows=("ema_ref",), reference_copy=need_ref)
     adapter, sigmas, device, ema_ref = run.adapter, run.sigmas, run.device, run.shadows["ema_ref"]
     world, size, num_train = run.accelerator.num_processes, args.group_size, args.train_timesteps
     if args.prompts_per_epoch % world:

@@ -26,6 +26,7 @@ from common.timesampling import sample_train_noise, shift_sigma, training_genera
 from common.toy import TOY_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
 from common.utils import UserError
+from rewards import load_run_rewards
 
 BETA_NOTE = ("β multiplies a difference of per-element MEAN squared velocity errors, so its scale is tied to the "
              "prediction target and the latent: 100 on FLUX.1/SD3.5 velocities, 5000 in Diffusion-DPO's "
@@ -137,7 +138,8 @@ if __name__ == "__main__":
     # The reference: adapters disabled (a frozen copy when fully fine-tuning), or with --ref-update-every a shadow
     # of θ (a second LoRA adapter or a copy) that is refreshed from θ and also samples.
     online_ref = args.ref_update_every > 0
-    run = setup(args, shadows=("ref",) if online_ref else (), reference_copy=not online_ref, cfg_free=True)
+    run = setup(args, load_run_rewards(args), shadows=("ref",) if online_ref else (),
+                reference_copy=not online_ref, cfg_free=True)
     adapter, sigmas, guidance, device = run.adapter, run.sigmas, run.guidance, run.device
     world, rank = run.accelerator.num_processes, run.accelerator.process_index
     check_whole_groups(args.prompts_per_epoch, world)  # the count that runs

@@ -22,6 +22,7 @@ from common.setup import epoch_metrics, evaluate, finish, log_epoch, optimizer_s
 from common.toy import TOY_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
 from common.utils import UserError
+from rewards import load_run_rewards
 
 
 @dataclass
@@ -83,7 +84,7 @@ if __name__ == "__main__":
     if args.dynamics == "cps" and not 0 <= args.noise_level <= 1:
         raise UserError(f"--dynamics cps needs --noise-level in [0, 1], got {args.noise_level}")
     clip_range = args.clip_range or (1e-5 if window else 1e-4)
-    run = setup(args, reference_copy=args.kl_beta > 0)
+    run = setup(args, load_run_rewards(args), reference_copy=args.kl_beta > 0)
     adapter, sigmas, guidance, device = run.adapter, run.sigmas, run.guidance, run.device
     store = "cpu" if args.offload_trajectories else device
     rollout_batches = rollout_micro_batches(run.local.stop - run.local.start, args.batch_size, args.updates_per_epoch)

@@ -19,6 +19,7 @@ from common.sampling import sample_generators
 from common.setup import epoch_metrics, evaluate, finish, log_epoch, optimizer_step, save, score_epoch, setup
 from common.toy import TOY_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
+from rewards import load_run_rewards
 
 
 @dataclass
@@ -76,7 +77,7 @@ def regulated_log_ratio(x_next: torch.Tensor, mean: torch.Tensor, mean_old: torc
 if __name__ == "__main__":
     args = parse_args(Args, PRESETS, "GRPO-Guard (arXiv:2510.22319): Flow-GRPO with a regulated ratio.")
     clip_range = args.clip_range
-    run = setup(args, reference_copy=args.kl_beta > 0)
+    run = setup(args, load_run_rewards(args), reference_copy=args.kl_beta > 0)
     adapter, sigmas, guidance, device = run.adapter, run.sigmas, run.guidance, run.device
     store = "cpu" if args.offload_trajectories else device
     rollout_batches = rollout_micro_batches(run.local.stop - run.local.start, args.batch_size, args.updates_per_epoch)

@@ -23,6 +23,7 @@ from common.timesampling import (check_time_sampling, default_num_train, sample_
 from common.toy import TOY_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
 from common.utils import UserError
+from rewards import load_run_rewards
 
 
 @dataclass
@@ -133,7 +134,7 @@ if __name__ == "__main__":
     if args.dynamics == "cps" and not 0 <= args.noise_level <= 1:
         raise UserError(f"--dynamics cps needs --noise-level in [0, 1], got {args.noise_level}")
     # θ_old: a second LoRA adapter "old" (or a frozen copy when fully fine-tuning), equal to θ at the start.
-    run = setup(args, shadows=("old",), reference_copy=args.kl_beta > 0, cfg_free=True)
+    run = setup(args, load_run_rewards(args), shadows=("old",), reference_copy=args.kl_beta > 0, cfg_free=True)
     adapter, sigmas, guidance, device, old = run.adapter, run.sigmas, run.guidance, run.device, run.shadows["old"]
     num_train = args.train_timesteps or default_num_train(args.time_sampling, sigmas, args.timestep_range)
     check_time_sampling(args.time_sampling, num_train, sigmas, args.timestep_range)

@@ -59,7 +59,8 @@ def condition_inputs(model: str, resolution: int, condition_size: int | None, nu
     adapter = ADAPTERS[model]
     if adapter.condition_images[1] == 0:
         return None
-    return {"resolution": resolution, "condition_size": condition_size, "num_frames": num_frames if adapter.video else None}
+    return {"resolution": resolution, "condition_size": condition_size,
+            "num_frames": num_frames if adapter.video else None}
 
 
 def cache_texts(train, test, with_negatives: bool) -> list[str]:
@@ -80,7 +81,8 @@ def _local_model_folder(model_path: str, components: tuple[str, ...] = ()) -> tu
 
     try:
         folder = Path(snapshot_download(model_path, allow_patterns=["model_index.json", "text_encoder*/*.json",
-                                                                   "tokenizer*/*", *(f"{c}/*.json" for c in components)]))
+                                                                   "tokenizer*/*",
+                                                                   *(f"{c}/*.json" for c in components)]))
     except Exception as err:  # offline and not in the hub cache, a typo, no access...
         raise UserError(f"cannot read the text encoder configs of {model_path!r}: {str(err).splitlines()[0]}")
     return folder, folder.name  # snapshots/<commit hash>

@@ -1,5 +1,5 @@
 """What every script does before its first epoch and after each one, written once: `setup` (accelerator, data,
-rewards, model, LoRA or full fine-tuning, frozen policies, optimizer, `prepare`, resume) returns a `Run`; then
+model, LoRA or full fine-tuning, frozen policies, optimizer, `prepare`, resume) returns a `Run`; then
 `optimizer_step`, `evaluate`, `log_epoch` and `save` are called from the script's own loop, which they never own."""
 
 import atexit
@@ -23,11 +23,11 @@ from common.distributed import (configure_backend, load_optimizer_state_dict, lo
                                 place_like, save_pretrained, staging_device, trainable)
 from common.models import ADAPTERS, load_adapter, resolve_model_path
 from common.sampling import sample, sample_generators
+from common.scoring import condition_tensors, score_samples
 from common.shadow import ReferencePolicy, ShadowPolicy
 from common.tracking import MetricsLog, check_finite, format_metrics, log_image, save_image_grid
 from common.training import EMA, add_lora, lr_scheduler, trainable_parameters
 from common.utils import RunStopped, UserError, peak_memory_gb, resolve_dtype
-from rewards import condition_tensors, load_rewards, score_samples
 
 
 @dataclass
@@ -110,9 +110,12 @@ def _find_resume(args, output_dir: Path, rank: int):
     return checkpoint, skipped
 
 
-def setup(args, shadows: tuple[str, ...] = (), reference_copy: bool = False, cfg_free: bool = False) -> Run:
+def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bool = False,
+          cfg_free: bool = False) -> Run:
     """Build everything a script needs before its first epoch, resuming when asked.
 
+    rewards: the loaded rewards (`rewards.load_run_rewards(args)`; `common.scoring.Reward`s), which the script
+    hands in so that `common` never imports `rewards/` (rewards build on common, not the other way round).
     shadows: names of frozen policies that trail the trained one (ShadowPolicy: a second LoRA adapter, or a copy
     when fully fine-tuning), made before `prepare` so DDP registers only the trained weights.
     reference_copy: the script compares with the reference policy; when fully fine-tuning that needs a frozen copy
@@ -129,8 +132,6 @@ def setup(args, shadows: tuple[str, ...] = (), reference_copy: bool = False, cfg
     if args.prompts_per_epoch > len(train_prompts):
         raise UserError(f"--prompts-per-epoch {args.prompts_per_epoch} exceeds the {len(train_prompts)} training "
                         f"prompts of {args.dataset}")
-    rewards = load_rewards(args.reward or ["jpeg_compressibility"],
-                           accelerator.device if args.reward_device == "accelerator" else torch.device("cpu"))
     true_cfg = ADAPTERS[args.model].true_cfg
     if cfg_free and true_cfg and args.guidance_scale is not None and args.guidance_scale > 1:
         raise UserError(f"{args.exp_name} is CFG-free: --guidance-scale {args.guidance_scale} would turn on true CFG "
