@@ -6,6 +6,7 @@ output for a condition image."""
 
 import math
 import runpy
+import sys
 
 import pytest
 
@@ -18,8 +19,13 @@ MODELS = {
     "qwen-image": ["--resolution", "32"],
     "wan": ["--resolution", "32", "--num-frames", "5"],
     "flux1-kontext": ["--resolution", "32", "--condition-size", "32"],
+    "qwen-image-edit": ["--resolution", "32", "--condition-size", "32"],
+    # Wan2.1 I2V's attention takes the last 512 context tokens as the text: its text length is fixed at 512.
+    "wan-i2v": ["--resolution", "32", "--num-frames", "5", "--max-sequence-length", "512"],
 }
-CONDITIONED = {"flux1-kontext"}
+CONDITIONED = {"flux1-kontext", "qwen-image-edit", "wan-i2v"}
+# Without torchvision, Qwen-Image-Edit's processor is built from its image processor and tokenizer only.
+LAUNCHER = {"qwen-image-edit": [sys.executable, str(REPO / "tests" / "image_only_processor.py")]}
 SMALL = ["--preset", "tiny", "--epochs", "1", "--prompts-per-epoch", "1", "--group-size", "4", "--batch-size", "4",
          "--eval-every", "1", "--eval-num-prompts", "1", "--max-sequence-length", "16"]
 STEPS = {"grpo": ["--num-steps", "4", "--updates-per-epoch", "1"],
@@ -35,7 +41,7 @@ STEPS = {"grpo": ["--num-steps", "4", "--updates-per-epoch", "1"],
 def test_one_epoch(script, model, tmp_path, request):
     data = ["--dataset", request.getfixturevalue("edit_dataset")] if model in CONDITIONED else []
     run_script(f"algos/{script}.py", *SMALL, *STEPS[script], "--model", model, "--model-path", "tiny",
-               *MODELS[model], *data, "--output-dir", tmp_path)
+               *MODELS[model], *data, "--output-dir", tmp_path, launcher=LAUNCHER.get(model))
     (metrics,) = read_metrics(tmp_path)
     assert metrics["num_processes"] == 1 and metrics["samples_seen"] == 4
     assert all(math.isfinite(metrics[k]) for k in ("reward_mean", "loss", "grad_norm", "eval_reward_mean"))
@@ -57,18 +63,28 @@ def assert_lora_changes_the_stock_pipeline(model, lora, dataset):
     from common.data import load_prompts
     from common.tiny import tiny_model_path
 
+    from image_only_processor import image_only_processor
+
+    image_only_processor()  # no-op where torchvision is installed
     record = load_prompts(dataset, "test")[0]
     pipe = DiffusionPipeline.from_pretrained(str(tiny_model_path(model)))
     pipe.set_progress_bar_config(disable=True)
     call = dict(image=Image.open(record.images[0]).convert("RGB"), prompt=record.prompt, height=32, width=32,
-                num_inference_steps=4, max_sequence_length=16, output_type="latent", **PIPELINE_ARGS[model])
-    base = pipe(generator=torch.Generator().manual_seed(0), **call).images
-    pipe.load_lora_weights(str(lora))
-    tuned = pipe(generator=torch.Generator().manual_seed(0), **call).images
+                num_inference_steps=4, output_type="latent", **PIPELINE_ARGS[model])
+    outputs = []
+    for lora_path in (None, lora):
+        if lora_path is not None:
+            pipe.load_lora_weights(str(lora_path))
+        result = pipe(generator=torch.Generator().manual_seed(0), **call)
+        outputs.append(result.frames if model == "wan-i2v" else result.images)
+    base, tuned = outputs
     assert (tuned - base).abs().max() > 1e-4, float((tuned - base).abs().max())
 
 
-PIPELINE_ARGS = {"flux1-kontext": dict(max_area=32 * 32, _auto_resize=False)}
+# The stock pipelines' calls at the tiny size: Kontext without its 1024² auto-resize, Wan I2V at 5 frames.
+PIPELINE_ARGS = {"flux1-kontext": dict(max_area=32 * 32, _auto_resize=False, max_sequence_length=16),
+                 "qwen-image-edit": dict(),
+                 "wan-i2v": dict(num_frames=5, max_sequence_length=512)}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
