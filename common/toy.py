@@ -175,12 +175,15 @@ def render_batch(prompts: list[str], rng: np.random.Generator, resolution: int =
 
 
 def toy_model_path(model: str = "flux1") -> Path:
-    """The shipped pretrained toy pipeline (`--model-path toy`); it exists for FLUX.1 only."""
-    if model != "flux1":
+    """The shipped pretrained toy pipelines (`--model-path toy`): FLUX.1 (the toy world, data/toy/model/) and
+    FLUX.1 Kontext (the toy edit world, data/toy_edit/model/)."""
+    paths = {"flux1": TOY_DIR / "model", "flux1-kontext": REPO / "data" / "toy_edit" / "model"}
+    if model not in paths:
         from common.utils import UserError
 
-        raise UserError(f"--model-path toy is a FLUX.1 pipeline: use it with --model flux1, not {model}")
-    return TOY_DIR / "model"
+        raise UserError(f"--model-path toy is a FLUX.1 pipeline (--model flux1) or a FLUX.1 Kontext one "
+                        f"(--model flux1-kontext), not {model}")
+    return paths[model]
 
 
 # ----- the pipeline ----------------------------------------------------------------------------------------

@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 from PIL import Image, ImageDraw
 
-from common.toy import (COLOURS, GAP, MARGIN, MAX_SIZE, RESOLUTION, SHAPES, SUPERSAMPLE, ToyPrompt, _colour, _layout,
-                        _region, parse_prompt, toy_prompts)
+from common.toy import (COLOURS, GAP, MARGIN, RESOLUTION, SHAPES, SUPERSAMPLE, ToyPrompt, _colour, _layout, _region,
+                        parse_prompt, toy_prompts)
 
 KINDS = ("recolour", "reshape", "move")
 SIDES = ("left", "right", "top", "bottom")  # the halves a move names (ToyPrompt.position values)
@@ -125,7 +125,7 @@ def edit_split(seed: int = SPLIT_SEED) -> tuple[list[tuple[str, str]], list[tupl
     kinds = {kind: sorted({transition(*p) for p in pairs if transition(*p)[0] == kind}) for kind in KINDS}
     rng = np.random.default_rng(seed)
     held_out = set()
-    for kind, options in kinds.items():
+    for options in kinds.values():
         n = round(TEST_FRACTION * len(options))
         while True:
             chosen = [options[i] for i in rng.permutation(len(options))[:n]]
