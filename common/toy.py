@@ -114,14 +114,20 @@ def _region(position: str, resolution: int) -> tuple[int, int, int, int]:
             "bottom": (0, half, resolution, resolution)}[position]
 
 
-def _layout(count: int, region, resolution: int, rng: np.random.Generator) -> list[tuple[float, float, float]]:
-    """`count` non-overlapping squares (x, y, side) in pixels (multiples of 1/SUPERSAMPLE), inside `region`.
-    Rejection sampling; sizes are redrawn after a run of failed placements (three big ones may not fit a half)."""
+def placement_bounds(region, resolution: int) -> tuple[float, float, float, float, float]:
+    """`region` less the border margin where it touches the image's edge, and the gap between boxes, in pixels."""
     scale = resolution / RESOLUTION
     x0, y0, x1, y1 = region
     x0, y0 = x0 + MARGIN * scale * (x0 == 0), y0 + MARGIN * scale * (y0 == 0)
     x1, y1 = x1 - MARGIN * scale * (x1 == resolution), y1 - MARGIN * scale * (y1 == resolution)
-    gap = GAP * scale
+    return x0, y0, x1, y1, GAP * scale
+
+
+def _layout(count: int, region, resolution: int, rng: np.random.Generator) -> list[tuple[float, float, float]]:
+    """`count` non-overlapping squares (x, y, side) in pixels (multiples of 1/SUPERSAMPLE), inside `region`.
+    Rejection sampling; sizes are redrawn after a run of failed placements (three big ones may not fit a half)."""
+    scale = resolution / RESOLUTION
+    x0, y0, x1, y1, gap = placement_bounds(region, resolution)
     quantize = lambda v: np.floor(v * SUPERSAMPLE) / SUPERSAMPLE  # noqa: E731
     while True:
         sizes = [quantize(rng.uniform(MIN_SIZE, MAX_SIZE) * scale) for _ in range(count)]

@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 from PIL import Image, ImageDraw
 
-from common.toy import (COLOURS, GAP, MARGIN, RESOLUTION, SHAPES, SUPERSAMPLE, ToyPrompt, _colour, _layout, _region,
-                        parse_prompt, toy_prompts)
+from common.toy import (COLOURS, RESOLUTION, SHAPES, SUPERSAMPLE, ToyPrompt, _colour, _layout, _region,
+                        parse_prompt, placement_bounds, toy_prompts)
 
 KINDS = ("recolour", "reshape", "move")
 SIDES = ("left", "right", "top", "bottom")  # the halves a move names (ToyPrompt.position values)
@@ -161,11 +161,7 @@ def draw_scene(shape: str, boxes, fills, resolution: int = RESOLUTION) -> np.nda
 def place(sizes, region, resolution: int, rng: np.random.Generator, attempts: int = 200):
     """Boxes (x, y, side) for objects of the given sides inside `region`, without overlap, as common/toy.py's
     `_layout` places them but keeping the sides; None when `attempts` placements all fail."""
-    scale = resolution / RESOLUTION
-    x0, y0, x1, y1 = region
-    x0, y0 = x0 + MARGIN * scale * (x0 == 0), y0 + MARGIN * scale * (y0 == 0)
-    x1, y1 = x1 - MARGIN * scale * (x1 == resolution), y1 - MARGIN * scale * (y1 == resolution)
-    gap = GAP * scale
+    x0, y0, x1, y1, gap = placement_bounds(region, resolution)
     quantize = lambda v: np.floor(v * SUPERSAMPLE) / SUPERSAMPLE  # noqa: E731
     for _ in range(attempts):
         boxes = []
