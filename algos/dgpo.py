@@ -19,6 +19,7 @@ from common.advantages import compute_advantages
 from common.cli import TrainArgs, parse_args
 from common.data import epoch_samples
 from common.distributed import micro_step
+from common.models import ADAPTERS
 from common.sampling import sample, sample_generators
 from common.setup import epoch_metrics, evaluate, finish, log_epoch, optimizer_step, save, score_epoch, setup
 from common.timesampling import sample_train_noise, training_generators, training_seeds
@@ -160,9 +161,9 @@ if __name__ == "__main__":
                         f"{args.updates_per_epoch}")
     if args.kl_cfg < 1:
         raise UserError(f"--kl-cfg must be >= 1 (1: the reference without CFG), got {args.kl_cfg}")
-    if args.kl_cfg > 1 and args.model == "flux1":
-        raise UserError(f"--kl-cfg {args.kl_cfg}: flux1 has no true CFG (its guidance is an embedding input, the "
-                        f"same for every policy); leave --kl-cfg at 1")
+    if args.kl_cfg > 1 and not ADAPTERS[args.model].true_cfg:
+        raise UserError(f"--kl-cfg {args.kl_cfg}: {args.model} has no true CFG (its guidance is an embedding input, "
+                        f"the same for every policy); leave --kl-cfg at 1")
     need_ref = not args.use_ema_ref or args.kl_beta > 0  # the frozen reference: preference term and/or KL
     need_old = args.use_ema_ref or args.clip_range != float("inf")  # ema_ref in training: clip and/or reference
     # ema_ref: a second LoRA adapter (or a frozen copy when fully fine-tuning), equal to θ at the start.

@@ -238,6 +238,7 @@ def _error_of(*args):
 @pytest.mark.parametrize("flags,message", [
     (["--train-timesteps", "6"], "--train-timesteps must be in [1, 5] (distinct steps of 0..--trunc-steps), got 6"),
     (["--kl-cfg", "4.5"], "--kl-cfg 4.5: flux1 has no true CFG"),
+    (["--kl-cfg", "4.5", "--model", "flux1-kontext"], "--kl-cfg 4.5: flux1-kontext has no true CFG"),
     (["--updates-per-epoch", "2"], "--updates-per-epoch must be 1"),
 ])
 def test_bad_input_gives_one_line_error(tmp_path, flags, message):
