@@ -26,7 +26,7 @@ stdout.log, stderr.log, wall_time_s.txt and cpu_time_s.txt):
   eval_reward_mean, `train` is reward_mean of each epoch's own rollouts: SDE samples for the GRPO family,
   ODE/solver samples for NFT and AWM, so not like for like). Evaluation keys are Euler-ODE samples of the same
   test prompts at the same seeds with the same steps for every algorithm, every --eval-every epochs and after
-  the last; the first point is the evaluation after epoch 0's update;
+  the last; the first point is the evaluation of the untrained model, before the first update;
 - wall-clock is training time: the sum over epochs of rollout + reward + training time from metrics.jsonl
   (start-up, evaluation and checkpoints excluded, so evaluation frequency does not bias it);
 - CPU time: user + system time of each run's process (and of the processes it started and waited for, e.g.
@@ -278,7 +278,7 @@ def run_all(args: Args, plans: dict[str, Plan], out: Path) -> tuple[dict, dict, 
         for algo in args.algos:
             run_dir = out / f"{algo}-{seed}"
             files = run_dir / "wall_time_s.txt", run_dir / "cpu_time_s.txt"
-            if args.reuse and len(read_metrics(run_dir)) == plans[algo].epochs and all(f.exists() for f in files):
+            if args.reuse and len(epoch_lines(read_metrics(run_dir))) == plans[algo].epochs and all(f.exists() for f in files):
                 continue
             todo.append((algo, seed, run_dir, files))
     runner = Runner()
@@ -346,15 +346,23 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
+def epoch_lines(metrics: list[dict]) -> list[dict]:
+    """The training epochs' lines (not the evaluation before the first update, epoch −1)."""
+    return [m for m in metrics if m["epoch"] >= 0]
+
+
 def training_seconds(metrics: list[dict]) -> np.ndarray:
     """Training seconds so far (rollout + reward + training) after each epoch."""
-    return np.cumsum([m["rollout_time_s"] + m["reward_time_s"] + m["train_time_s"] for m in metrics])
+    return np.cumsum([m["rollout_time_s"] + m["reward_time_s"] + m["train_time_s"] for m in epoch_lines(metrics)])
 
 
 def curve(metrics: list[dict], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(training seconds so far, samples seen, epochs done, value) at each epoch that logged `key`."""
+    """(training seconds so far, samples seen, epochs done, value) before the first update (0, 0, 0, value) and at
+    each epoch that logged `key`."""
     seconds = training_seconds(metrics)
-    rows = [(seconds[i], m["samples_seen"], m["epoch"] + 1, m[key]) for i, m in enumerate(metrics) if key in m]
+    rows = [(0.0, 0, 0, m[key]) for m in metrics if m["epoch"] < 0 and key in m]
+    rows += [(seconds[i], m["samples_seen"], m["epoch"] + 1, m[key]) for i, m in enumerate(epoch_lines(metrics))
+             if key in m]
     return tuple(np.array(column, dtype=float) for column in zip(*rows))
 
 
@@ -396,7 +404,7 @@ def summarise(args: Args, runs: dict[str, list[dict]], cpu: dict[str, list[float
                 row["samples_to"].append(samples[hit])
                 # an estimate: CPU time spread over the run in proportion to its training seconds
                 row["cpu_min_to"].append(cpu_s / 60 * seconds[hit] / training_seconds(metrics)[-1])
-            timed = metrics[args.warmup:] or metrics
+            timed = epoch_lines(metrics)[args.warmup:] or epoch_lines(metrics)
             for part in ("rollout", "reward", "train"):
                 row[part].append(np.mean([m[f"{part}_time_s"] for m in timed]))
             row["epoch"].append(np.mean([m["rollout_time_s"] + m["reward_time_s"] + m["train_time_s"] for m in timed]))
@@ -416,7 +424,7 @@ def describe_metric(args: Args) -> str:
     if key.startswith("eval_"):
         return (f"`{key}`, held out: Euler ODE, {args.eval_num_steps} steps, the first {args.eval_num_prompts} test "
                 f"prompts × {args.eval_seeds} fixed seeds, the same for every algorithm, every {args.eval_every} "
-                f"epochs and after the last (the first point is after epoch 0's update)")
+                f"epochs and after the last (the first point is the untrained model's)")
     if key == "reward_mean":
         return ("`reward_mean`, the rewards of each epoch's own rollouts (SDE samples for the GRPO family, "
                 "ODE/solver samples for NFT and AWM: not like for like)")

@@ -112,7 +112,8 @@ def _find_resume(args, output_dir: Path, rank: int):
 
 def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bool = False,
           cfg_free: bool = False) -> Run:
-    """Build everything a script needs before its first epoch, resuming when asked.
+    """Build everything a script needs before its first epoch, resuming when asked; a fresh run then evaluates the
+    untrained model (`evaluate_base`, logged as epoch −1).
 
     rewards: the loaded rewards (`rewards.load_run_rewards(args)`; `common.scoring.Reward`s), which the script
     hands in so that `common` never imports `rewards/` (rewards build on common, not the other way round).
@@ -201,6 +202,7 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
     if args.track:
         accelerator.init_trackers(args.wandb_project, config={k: str(v) for k, v in vars(args).items()},
                                   init_kwargs={"wandb": {"name": f"{args.exp_name}-{args.seed}", "dir": str(output_dir)}})
+    evaluate_base(run)
     return run
 
 
@@ -274,11 +276,12 @@ def epoch_metrics(run: Run, epoch: int, all_raw: torch.Tensor, stats: dict, timi
 
 @torch.no_grad()
 def evaluate(run: Run, epoch: int) -> dict:
-    """Euler-ODE samples of the first --eval-num-prompts test prompts × --eval-seeds fixed seeds (the same in every
+    """At every --eval-every epochs, after the last, and before the first update (epoch −1, `evaluate_base`):
+    Euler-ODE samples of the first --eval-num-prompts test prompts × --eval-seeds fixed seeds (the same in every
     run), with the trained weights (their EMA with --ema): the rewards' means, each check of a reward that reports
     checks (`score.checks(images, prompts)`), and a captioned image grid in OUTPUT_DIR/eval/ and the trackers."""
     args, adapter, accelerator = run.args, run.adapter, run.accelerator
-    if not (args.eval_every and (epoch % args.eval_every == 0 or epoch == args.epochs - 1)):
+    if not args.eval_every or (epoch >= 0 and not (epoch % args.eval_every == 0 or epoch == args.epochs - 1)):
         return {}
     prompts = run.test_prompts[: args.eval_num_prompts]
     items = [(i, s) for i in range(len(prompts)) for s in range(args.eval_seeds)]
@@ -317,10 +320,23 @@ def evaluate(run: Run, epoch: int) -> dict:
         samples = torch.stack([r[3] for r in results if r[3] is not None])
         if any(p.images for p in prompts):  # edits and image-to-video: each row starts with its condition image
             samples, shown = _with_conditions(samples, prompts, shown), shown + 1
-        picture = save_image_grid(samples, run.output_dir / "eval" / f"epoch_{epoch:06d}.png", columns=shown,
+        name = f"epoch_{epoch:06d}.png" if epoch >= 0 else "base.png"
+        picture = save_image_grid(samples, run.output_dir / "eval" / name, columns=shown,
                                   captions=[p.prompt for p in prompts])
-        log_image(accelerator, "eval/samples", picture, epoch)
+        log_image(accelerator, "eval/samples", picture, max(epoch, 0))
     return out
+
+
+def evaluate_base(run: Run) -> None:
+    """The evaluation of the untrained model, logged as epoch −1 before any training line so that every table's
+    base is the model before the first update (after it, a harmful first step would pass for the start). A
+    resumed run has it already. The global RNG is left as it was: the training that follows is unchanged."""
+    if not run.args.eval_every or run.start_epoch > 0:
+        return
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        metrics = evaluate(run, -1)
+    log_epoch(run, {"epoch": -1, **metrics}, ["epoch", "eval_reward_mean"])
 
 
 def _with_conditions(samples: torch.Tensor, prompts: list, per_row: int) -> torch.Tensor:

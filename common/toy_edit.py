@@ -21,13 +21,20 @@ from dataclasses import dataclass, replace
 import numpy as np
 from PIL import Image, ImageDraw
 
-from common.toy import (COLOURS, RESOLUTION, SHAPES, SUPERSAMPLE, ToyPrompt, _colour, _layout, _region,
+from common.toy import (COLOURS, REPO, RESOLUTION, SHAPES, SUPERSAMPLE, ToyPrompt, _colour, _layout, _region,
                         parse_prompt, placement_bounds, toy_prompts)
 
 KINDS = ("recolour", "reshape", "move")
 SIDES = ("left", "right", "top", "bottom")  # the halves a move names (ToyPrompt.position values)
 TEST_FRACTION = 0.2
 SPLIT_SEED = 0
+
+# The flags that put a script in the toy edit world, shared by every script's `toy-edit` preset: the shipped FLUX.1
+# Kontext model, the edit dataset, the exact edit reward (mean of its six checks), 32 px conditions (Kontext's own
+# preferred size would be 1024 px), and evaluation on all 96 held-out edits × 4 seeds.
+TOY_EDIT_WORLD = dict(model="flux1-kontext", model_path="toy", dataset=str(REPO / "data" / "toy_edit"), reward=["toy_edit"],
+                      resolution=RESOLUTION, condition_size=RESOLUTION, max_sequence_length=16, eval_num_prompts=96,
+                      eval_seeds=4, eval_num_steps=8)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ class MetricsLog:
             with self.path.open("a") as handle:
                 handle.write(json.dumps(metrics) + "\n")
         if self.accelerator.trackers:
-            self.accelerator.log({k: v for k, v in metrics.items() if k != "epoch"}, step=metrics["epoch"])
+            self.accelerator.log({k: v for k, v in metrics.items() if k != "epoch"}, step=max(metrics["epoch"], 0))
 
 
 def check_finite(metrics: dict) -> None:

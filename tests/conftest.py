@@ -156,8 +156,10 @@ def script_error(script: str, *args, env=None) -> str:
     raise AssertionError(f"{script} {' '.join(map(str, args))} ran without an error")
 
 
-def read_metrics(output_dir) -> list[dict]:
-    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines() if line]
+def read_metrics(output_dir, base: bool = False) -> list[dict]:
+    """The run's metrics lines; the evaluation before the first update (epoch −1) only with `base`."""
+    records = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines() if line]
+    return [r for r in records if base or r["epoch"] >= 0]
 
 
 ACCELERATE_2CPU = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",

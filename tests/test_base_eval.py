@@ -1,0 +1,41 @@
+"""The evaluation before the first update (common.setup.evaluate_base): every script's first metrics line, logged
+as epoch −1 with the same eval keys as the epochs' evaluations; it leaves training unchanged and a resumed run does
+not repeat it."""
+
+import json
+
+import pytest
+
+from conftest import read_metrics, run_script
+
+TINY = ["--preset", "tiny", "--epochs", "2", "--save-every", "1"]
+
+
+@pytest.mark.parametrize("script", ["nft", "grpo"])
+def test_the_first_line_is_the_untrained_models_evaluation(tmp_path, tiny_flux_path, script):
+    out = tmp_path / "run"
+    run_script(f"algos/{script}.py", *TINY, "--eval-every", "1", "--output-dir", out)
+    lines = read_metrics(out, base=True)
+    assert [line["epoch"] for line in lines] == [-1, 0, 1]
+    base, first = lines[0], lines[1]
+    eval_keys = sorted(k for k in first if k.startswith("eval_"))
+    assert eval_keys and sorted(k for k in base if k != "epoch") == eval_keys
+    assert (out / "eval" / "base.png").exists()
+    # The same prompts and seeds: the untrained LoRA (B = 0) is the pretrained model, so the base differs from the
+    # evaluation after one update only by what that update did.
+    assert base["eval_reward_mean"] != first["eval_reward_mean"]
+
+    # Training is the same with or without it (its RNG use is forked off).
+    quiet = tmp_path / "quiet"
+    run_script(f"algos/{script}.py", *TINY, "--eval-every", "0", "--output-dir", quiet)
+    trained = [{k: v for k, v in line.items() if not k.startswith("eval_") and not k.endswith("_time_s")
+                and k != "peak_memory_gb"} for line in read_metrics(out)]
+    assert [line["epoch"] for line in read_metrics(quiet, base=True)] == [0, 1]
+    assert trained == [{k: v for k, v in line.items() if not k.endswith("_time_s") and k != "peak_memory_gb"}
+                       for line in read_metrics(quiet)]
+
+    # A resumed run continues after its checkpoint and does not evaluate the base again.
+    run_script(f"algos/{script}.py", *TINY[:2], "--epochs", "3", "--save-every", "1", "--eval-every", "1",
+               "--output-dir", out, "--resume")
+    epochs = [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert epochs == [-1, 0, 1, 2]
