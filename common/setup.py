@@ -279,7 +279,8 @@ def evaluate(run: Run, epoch: int) -> dict:
     """At every --eval-every epochs, after the last, and before the first update (epoch −1, `evaluate_base`):
     Euler-ODE samples of the first --eval-num-prompts test prompts × --eval-seeds fixed seeds (the same in every
     run), with the trained weights (their EMA with --ema): the rewards' means, each check of a reward that reports
-    checks (`score.checks(images, prompts)`), and a captioned image grid in OUTPUT_DIR/eval/ and the trackers."""
+    checks (`score.checks(images, prompts)`), each with its standard error (`_se`: the sample standard deviation
+    over the prompts × seeds / √n), and a captioned image grid in OUTPUT_DIR/eval/ and the trackers."""
     args, adapter, accelerator = run.args, run.adapter, run.accelerator
     if not args.eval_every or (epoch >= 0 and not (epoch % args.eval_every == 0 or epoch == args.epochs - 1)):
         return {}
@@ -311,10 +312,12 @@ def evaluate(run: Run, epoch: int) -> dict:
     results = sorted(gather_object(results), key=lambda item: item[0])
     raw = torch.tensor([r[1] for r in results], dtype=torch.float64)
     weights = torch.tensor([r.weight for r in pointwise], dtype=torch.float64)
-    out = {"eval_reward_mean": float((raw @ weights).mean())}
-    out.update({f"eval_reward_{r.name}": float(raw[:, k].mean()) for k, r in enumerate(pointwise)})
-    for key in results[0][2]:
-        out[f"eval_{key}"] = sum(r[2][key] for r in results) / len(results)
+    columns = {"reward_mean": raw @ weights, **{f"reward_{r.name}": raw[:, k] for k, r in enumerate(pointwise)},
+               **{key: torch.tensor([r[2][key] for r in results], dtype=torch.float64) for key in results[0][2]}}
+    out = {}
+    for key, values in columns.items():  # each mean and its standard error over the prompts × seeds
+        out[f"eval_{key}"] = float(values.mean())
+        out[f"eval_{key}_se"] = float(values.std() / len(values) ** 0.5) if len(values) > 1 else 0.0
     if accelerator.is_main_process:
         shown = min(args.eval_seeds, 8)
         samples = torch.stack([r[3] for r in results if r[3] is not None])
@@ -363,7 +366,7 @@ def log_epoch(run: Run, metrics: dict, show: list[str], bar=None) -> None:
         if "eval_reward_mean" in show:
             at = show.index("eval_reward_mean") + 1
             strict = [k for k in metrics if k.startswith("eval_") and k.endswith("_strict") and k not in show]
-            show = show[:at] + strict + show[at:]
+            show = show[:at] + [key for k in strict for key in (k, k + "_se")] + show[at:]
         line = format_metrics(metrics, show)
         bar.write(line) if bar is not None else print(line, flush=True)
 

@@ -3,6 +3,7 @@ as epoch −1 with the same eval keys as the epochs' evaluations; it leaves trai
 not repeat it."""
 
 import json
+import math
 
 import pytest
 
@@ -39,3 +40,19 @@ def test_the_first_line_is_the_untrained_models_evaluation(tmp_path, tiny_flux_p
                "--output-dir", out, "--resume")
     epochs = [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert epochs == [-1, 0, 1, 2]
+
+
+def test_eval_metrics_carry_their_standard_errors(tmp_path):
+    """Every eval mean has `_se`, the sample standard deviation over prompts × seeds / √n; for the toy world's
+    pass/fail checks that is √(p(1 − p)/(n − 1)), computed here from the logged rate alone."""
+    out = tmp_path / "run"
+    run_script("algos/nft.py", "--preset", "toy", "--epochs", "1", "--eval-num-prompts", "12", "--eval-seeds", "2",
+               "--save-every", "0", "--output-dir", out)
+    n = 12 * 2
+    for line in read_metrics(out, base=True):
+        means = [k for k in line if k.startswith("eval_") and not k.endswith("_se")]
+        assert means and all(f"{k}_se" in line for k in means)
+        for check in ("strict", "count", "shape"):
+            p = line[f"eval_toy_{check}"]
+            assert line[f"eval_toy_{check}_se"] == pytest.approx(math.sqrt(p * (1 - p) / (n - 1)), abs=1e-12)
+        assert 0 < line["eval_reward_mean_se"] < 0.5

@@ -42,15 +42,17 @@ def check_cell(cell: str, values: list[float]):
 
 
 def expected(metrics: list[dict], threshold: float, warmup: int, samples_per_epoch: int) -> dict:
-    """Our own reading of one run: eval points, training seconds so far, and the threshold crossing."""
+    """Our own reading of one run: eval points (the first: the untrained model's, at 0 s and 0 epochs), training
+    seconds so far, and the threshold crossing."""
     seconds, points = 0.0, []
     for m in metrics:
-        seconds += m["rollout_time_s"] + m["reward_time_s"] + m["train_time_s"]
+        if m["epoch"] >= 0:
+            seconds += m["rollout_time_s"] + m["reward_time_s"] + m["train_time_s"]
         if "eval_reward_mean" in m:
             points.append((m["eval_reward_mean"], seconds, m["epoch"] + 1))
     n_final = max(1, math.ceil(len(points) / 10))
     crossing = next((p for p in points if p[0] >= threshold), None)  # --smooth 1: the points themselves
-    timed = metrics[warmup:]
+    timed = [m for m in metrics if m["epoch"] >= 0][warmup:]
     return {
         "final": sum(p[0] for p in points[-n_final:]) / n_final,
         "epochs_to": [crossing[2]] if crossing else [],
@@ -66,9 +68,9 @@ def expected(metrics: list[dict], threshold: float, warmup: int, samples_per_epo
 def test_compare_smoke(tmp_path):
     out = tmp_path / "compare"
     run_script("benchmarks/compare.py", *SMOKE, "--output-dir", out, timeout=300)
-    runs = {algo: read_metrics(out / f"{algo}-1") for algo in ("grpo", "nft")}
+    runs = {algo: read_metrics(out / f"{algo}-1", base=True) for algo in ("grpo", "nft")}
     for algo, metrics in runs.items():
-        assert [m["epoch"] for m in metrics] == [0, 1] and all("eval_reward_mean" in m for m in metrics), algo
+        assert [m["epoch"] for m in metrics] == [-1, 0, 1] and all("eval_reward_mean" in m for m in metrics), algo
         assert metrics[-1]["samples_seen"] == 32
 
     # threshold: start (mean of every run's first point, --start-points 1) + --threshold-gain
@@ -90,7 +92,7 @@ def test_compare_smoke(tmp_path):
         check_cell(row["epoch s"], [e["rollout"] + e["reward"] + e["train"]])
         check_cell(row["samples to threshold"], [16 * n for n in e["epochs_to"]])
         wall = float((out / f"{algo}-1" / "wall_time_s.txt").read_text())
-        assert wall > sum(m["epoch_time_s"] for m in metrics)  # the process also loads the model
+        assert wall > sum(m["epoch_time_s"] for m in metrics if m["epoch"] >= 0)  # the process also loads the model
         check_cell(row["run wall s"], [wall])
         cpu = float((out / f"{algo}-1" / "cpu_time_s.txt").read_text())
         assert 0 < cpu < 2 * wall  # one thread: the CPU time of the run's own process
