@@ -18,6 +18,7 @@ from common.dynamics import sde_kl, sde_step
 from common.sampling import sample_generators
 from common.setup import epoch_metrics, evaluate, finish, log_epoch, optimizer_step, save, score_epoch, setup
 from common.toy import TOY_WORLD
+from common.toy_edit import TOY_EDIT_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
 from rewards import load_run_rewards
 
@@ -52,6 +53,10 @@ PRESETS = {
     "toy": dict(TOY_WORLD, epochs=30, prompts_per_epoch=8, group_size=16, batch_size=32, updates_per_epoch=2,
                 num_steps=6, noise_level=0.7, learning_rate=1e-3, lora_rank=16, lora_alpha=16, clip_range=1e-3,
                 kl_beta=0.04, eval_every=10, save_every=10),
+    # The toy edit world (docs/toy-edit-world.md): the same setting on the pretrained FLUX.1 Kontext.
+    "toy-edit": dict(TOY_EDIT_WORLD, epochs=30, prompts_per_epoch=8, group_size=16, batch_size=32, updates_per_epoch=2,
+                     num_steps=6, noise_level=0.7, learning_rate=1e-3, lora_rank=16, lora_alpha=16, clip_range=1e-3,
+                     kl_beta=0.04, eval_every=10, save_every=10),
     # The embedded tiny FLUX.1 on a CPU: as grpo.py's tiny preset (docs/tiny-models.md).
     "tiny": dict(model_path="tiny", resolution=64, max_sequence_length=32, epochs=150, prompts_per_epoch=2,
                  group_size=8, batch_size=8, updates_per_epoch=2, num_steps=8, noise_level=0.8,

@@ -25,6 +25,7 @@ from common.sampling import sample_generators
 from common.solvers import dpm_solver_sample
 from common.setup import epoch_metrics, evaluate, finish, log_epoch, optimizer_step, save, score_epoch, setup
 from common.toy import TOY_WORLD
+from common.toy_edit import TOY_EDIT_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
 from common.utils import UserError
 from rewards import load_run_rewards
@@ -74,6 +75,10 @@ PRESETS = {
     "toy": dict(TOY_WORLD, epochs=100, prompts_per_epoch=8, group_size=16, batch_size=32, updates_per_epoch=2,
                 num_steps=8, noise_level=0.7, window_size=2, iters_per_window=50, learning_rate=3e-4, lora_rank=16,
                 lora_alpha=16, clip_range=1e-3, kl_beta=0.04, eval_every=10, save_every=10),
+    # The toy edit world (docs/toy-edit-world.md): the same setting on the pretrained FLUX.1 Kontext.
+    "toy-edit": dict(TOY_EDIT_WORLD, epochs=100, prompts_per_epoch=8, group_size=16, batch_size=32, updates_per_epoch=2,
+                     num_steps=8, noise_level=0.7, window_size=2, iters_per_window=50, learning_rate=3e-4, lora_rank=16,
+                     lora_alpha=16, clip_range=1e-3, kl_beta=0.04, eval_every=10, save_every=10),
     # The embedded tiny FLUX.1 on a CPU: as grpo.py's tiny preset (docs/tiny-models.md). 12 steps: the window (4)
     # sweeps steps 0..9 once in 100 epochs, and Flash replaces the 8 steps after a window at 0 by 2 solver steps.
     "tiny": dict(model_path="tiny", resolution=64, max_sequence_length=32, epochs=150, prompts_per_epoch=2,
