@@ -8,8 +8,8 @@ written to a temporary folder and renamed into place, and `latest` names the new
 moment leaves the previous checkpoint intact.
 
 Resume does not trust `latest`: it loads the newest checkpoint folder that loads completely (meta, weights,
-training state), says which newer ones it skipped and why, and refuses, rather than start from scratch, when the
-folder holds a run but no complete checkpoint.
+training state), says which newer ones it skipped and why, and refuses, rather than start from scratch, when a
+checkpoint was written in the folder but none loads completely (common.setup._find_resume).
 """
 
 import json

@@ -5,6 +5,7 @@ model, LoRA or full fine-tuning, frozen policies, optimizer, `prepare`, resume) 
 import atexit
 import copy
 import os
+import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -12,12 +13,13 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
+from accelerate.utils import broadcast_object_list, gather_object
 
 from common.cache import PromptEncoder, cache_texts, condition_inputs, find_cache
 from common.checkpoint import (LORA_FILE, clean_stale_writes, load_full_state_into, load_lora_state_into,
                                newest_complete_checkpoint, restore_rng, save_checkpoint)
 from common.cli import run_defining_flags
+from common.cluster import LOCK_FILE, exit_stopped, lock_output_dir, requested_stop, stop_after_epoch_on_signals
 from common.data import check_conditions, load_prompts, shard
 from common.distributed import (configure_backend, load_optimizer_state_dict, lora_state_dict, optimizer_state_dict,
                                 place_like, save_pretrained, staging_device, trainable)
@@ -79,35 +81,65 @@ def _check_output_dir(output_dir: Path) -> None:
 
 def _remove_if_empty(folder: Path) -> None:
     try:
+        lock = folder / LOCK_FILE
+        if [p.name for p in folder.iterdir()] == [LOCK_FILE] and lock.stat().st_size == 0:  # released (common.cluster)
+            lock.unlink()
         folder.rmdir()  # only succeeds when empty (another process of the launch may have removed it already)
     except OSError:
         pass
 
 
+def _claim_output_dir(accelerator: Accelerator, output_dir: Path) -> None:
+    """Check the output folder and lock it (common.cluster) on the main process before any process reads it; the
+    other processes check it once the main process holds it, or end with its refusal."""
+    refusal = None
+    if accelerator.is_main_process:
+        try:
+            _check_output_dir(output_dir)
+            lock_output_dir(output_dir)
+        except UserError as err:
+            refusal = str(err)
+    if accelerator.num_processes > 1:
+        refusal = broadcast_object_list([refusal])[0]
+    if refusal is not None:
+        raise UserError(refusal)
+    if not accelerator.is_main_process:
+        _check_output_dir(output_dir)  # another machine may see another folder
+
+
+def _checkpoint_written(output_dir: Path) -> bool:
+    """Whether a checkpoint was ever completed in the folder, even one that no longer loads: each is renamed into
+    place (epoch_*; .epoch_*.old while a re-save swaps it) before `latest` names it, and `latest` is never removed."""
+    root = output_dir / "checkpoints"
+    return (root / "latest").exists() or any(root.glob("epoch_*")) or any(root.glob(".epoch_*.old"))
+
+
 def _find_resume(args, output_dir: Path, rank: int):
-    """The checkpoint to resume from (None: start afresh), or a one-line refusal. A folder that holds a run is never
-    restarted from scratch."""
+    """(the checkpoint to resume from or None, the newer checkpoints skipped, whether a run stopped before its
+    first checkpoint is to be started again from scratch), or a one-line refusal. A folder where a checkpoint was
+    ever written is never restarted from scratch."""
     metrics = output_dir / "metrics.jsonl"
-    has_run = (metrics.exists() and metrics.stat().st_size > 0) or any((output_dir / "checkpoints").glob("epoch_*"))
+    written = _checkpoint_written(output_dir)
+    restart = not written and metrics.exists() and metrics.stat().st_size > 0
     if not args.resume:
-        if has_run:
+        if written:
             raise UserError(f"{output_dir} already holds a run: pass --resume to continue it or choose another "
                             f"--output-dir")
-        return None, []
+        return None, [], restart
     checkpoint, skipped = newest_complete_checkpoint(output_dir, args.full_finetune, rank)
     if checkpoint is None:
-        if has_run:
-            why = "; ".join(skipped) if skipped else "none was written yet"
+        if written:
+            why = "; ".join(skipped) if skipped else "none is left"
             raise UserError(f"--resume: {output_dir} holds a run but no complete checkpoint ({why}); refusing to "
                             f"start it again from scratch: move it away or choose another --output-dir")
-        return None, skipped
+        return None, skipped, restart
     saved = checkpoint.meta.get("run", {})
     for name, value in run_defining_flags(args).items():
         if name in saved and saved[name] != value:
             flag = "the script" if name == "algorithm" else f"--{name.replace('_', '-')}"
             raise UserError(f"--resume: {flag} is {value!r} but the run in {output_dir} was started with "
                             f"{saved[name]!r}; it defines the run, so it cannot change on resume")
-    return checkpoint, skipped
+    return checkpoint, skipped, False
 
 
 def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bool = False,
@@ -137,8 +169,8 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
     if cfg_free and true_cfg and args.guidance_scale is not None and args.guidance_scale > 1:
         raise UserError(f"{args.exp_name} is CFG-free: --guidance-scale {args.guidance_scale} would turn on true CFG "
                         f"for {args.model}; leave it unset (1.0)")
-    _check_output_dir(output_dir)
-    checkpoint, skipped = _find_resume(args, output_dir, rank)
+    _claim_output_dir(accelerator, output_dir)
+    checkpoint, skipped, restart = _find_resume(args, output_dir, rank)
 
     torch.manual_seed(args.seed)
     dtype = resolve_dtype(args.dtype, accelerator.device)
@@ -192,17 +224,24 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
         stale = clean_stale_writes(output_dir)
         if stale:
             print(f"removed unfinished checkpoint writes: {', '.join(stale)}")
+        if restart:  # the new run's lines must not follow the old ones
+            (output_dir / "metrics.jsonl").unlink()
+            shutil.rmtree(output_dir / "eval", ignore_errors=True)
     if skipped:
         accelerator.print(f"skipped checkpoints that do not load completely: {'; '.join(skipped)}")
     if checkpoint is not None:
         _restore(run, checkpoint)
         accelerator.print(f"resumed from {checkpoint.folder} at epoch {run.start_epoch}")
+    elif restart:
+        accelerator.print(f"{output_dir} holds a run stopped before its first checkpoint: starting it again from "
+                          f"scratch (its metrics.jsonl and eval/ are cleared)")
     elif args.resume:
         accelerator.print(f"no run in {output_dir} yet: starting from scratch")
     if args.track:
         accelerator.init_trackers(args.wandb_project, config={k: str(v) for k, v in vars(args).items()},
                                   init_kwargs={"wandb": {"name": f"{args.exp_name}-{args.seed}", "dir": str(output_dir)}})
     evaluate_base(run)
+    stop_after_epoch_on_signals()  # before this, nothing is trained: a signal ends the run at once
     return run
 
 
@@ -373,9 +412,14 @@ def log_epoch(run: Run, metrics: dict, show: list[str], bar=None) -> None:
 
 def save(run: Run, epoch: int, meta: dict | None = None) -> None:
     """Checkpoint at every --save-every epochs and after the last: weights (LoRA file or `transformer/`), optimizer,
-    learning-rate schedule, EMA, the frozen policies, RNG, and `meta` (script state restored as run.meta)."""
+    learning-rate schedule, EMA, the frozen policies, RNG, and `meta` (script state restored as run.meta).
+    After a SIGTERM or SIGINT to any process (common.cluster), every process stops here, after the epoch it was in:
+    it checkpoints this epoch and exits with 128 + the signal's number (a signal during the last epoch changes
+    nothing: the run ends as usual)."""
     args = run.args
-    if not (epoch == args.epochs - 1 or (args.save_every and (epoch + 1) % args.save_every == 0)):
+    last = epoch == args.epochs - 1
+    stop = 0 if last else requested_stop(run.accelerator)
+    if not (stop or last or (args.save_every and (epoch + 1) % args.save_every == 0)):
         return
     for p in run.params:
         if not torch.isfinite(p.detach()).all():
@@ -397,6 +441,8 @@ def save(run: Run, epoch: int, meta: dict | None = None) -> None:
             "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"), **(meta or {})}
     save_checkpoint(run.accelerator, run.output_dir, epoch, write_weights, states, info, keep=args.keep_checkpoints,
                     model=run.unwrapped)
+    if stop:
+        exit_stopped(run.accelerator, stop, epoch)
 
 
 def _umask() -> int:
