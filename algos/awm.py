@@ -17,7 +17,8 @@ from common.cli import TrainArgs, parse_args
 from common.data import epoch_samples
 from common.distributed import micro_step
 from common.sampling import sample, sample_generators
-from common.setup import epoch_metrics, evaluate, finish, log_epoch, optimizer_step, save, score_epoch, setup
+from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
+                          setup)
 from common.timesampling import (check_time_sampling, sample_train_noise, sample_train_sigmas, training_generators,
                                  training_seeds)
 from common.toy import TOY_WORLD
@@ -33,6 +34,7 @@ COLLAPSE_WARNING = ("turning off BOTH the EMA-KL term (--ema-kl-beta 0) and the 
 
 @dataclass
 class Args(TrainArgs):
+    infinity_allowed = ("clip_range",)  # --clip-range inf: no clip
     adv_clip_max: float = 5.0
     """advantages are clamped to ±this, then divided by it (so the loss sees A ∈ [−1, 1])"""
     group_size: int = 24
@@ -168,6 +170,7 @@ if __name__ == "__main__":
     samples_per_epoch, local_count = args.prompts_per_epoch * args.group_size, run.local.stop - run.local.start
     rollout_batches = rollout_micro_batches(local_count, args.batch_size, args.updates_per_epoch)
 
+    evaluate_base(run)  # the untrained model, logged as epoch −1 (a resumed run has it)
     bar = tqdm(range(run.start_epoch, args.epochs), disable=not run.accelerator.is_main_process, desc="awm")
     for epoch in bar:
         epoch_start = time.time()

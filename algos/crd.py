@@ -21,7 +21,8 @@ from common.cli import TrainArgs, parse_args
 from common.data import epoch_samples
 from common.distributed import micro_step
 from common.sampling import sample, sample_generators
-from common.setup import epoch_metrics, evaluate, finish, log_epoch, optimizer_step, save, score_epoch, setup
+from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
+                          setup)
 from common.timesampling import (check_time_sampling, eligible_steps, sample_train_noise, sample_train_sigmas,
                                  training_generators, training_seeds)
 from common.toy import TOY_WORLD
@@ -209,6 +210,7 @@ if __name__ == "__main__":
     rollout_batches = rollout_micro_batches(local_count, args.batch_size, args.updates_per_epoch)
     group_index = torch.arange(run.local.start, run.local.stop) // args.group_size  # group of each local sample
 
+    evaluate_base(run)  # the untrained model, logged as epoch −1 (a resumed run has it)
     bar = tqdm(range(run.start_epoch, args.epochs), disable=not run.accelerator.is_main_process, desc="crd")
     for epoch in bar:
         epoch_start = time.time()

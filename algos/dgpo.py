@@ -21,7 +21,8 @@ from common.data import epoch_samples
 from common.distributed import micro_step
 from common.models import ADAPTERS
 from common.sampling import sample, sample_generators
-from common.setup import epoch_metrics, evaluate, finish, log_epoch, optimizer_step, save, score_epoch, setup
+from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
+                          setup)
 from common.timesampling import sample_train_noise, training_generators, training_seeds
 from common.toy import TOY_WORLD
 from common.toy_edit import TOY_EDIT_WORLD
@@ -32,6 +33,7 @@ from rewards import load_run_rewards
 
 @dataclass
 class Args(TrainArgs):
+    infinity_allowed = ("clip_range",)  # --clip-range inf: no clip
     group_size: int = 24
     """K: samples per prompt (one group)"""
     prompts_per_epoch: int = 8
@@ -188,6 +190,7 @@ if __name__ == "__main__":
     group_index = torch.arange(run.local.start, run.local.stop) // size  # each local sample's group in the draw
     train_batch = size * groups_per_micro_batch(local_count // size, size, args.batch_size)
 
+    evaluate_base(run)  # the untrained model, logged as epoch −1 (a resumed run has it)
     bar = tqdm(range(run.start_epoch, args.epochs), disable=not run.accelerator.is_main_process, desc="dgpo")
     for epoch in bar:
         epoch_start = time.time()

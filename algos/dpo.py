@@ -21,7 +21,8 @@ from common.cli import TrainArgs, parse_args
 from common.data import epoch_samples
 from common.distributed import micro_step
 from common.sampling import sample, sample_generators
-from common.setup import epoch_metrics, evaluate, finish, log_epoch, optimizer_step, save, score_epoch, setup
+from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
+                          setup)
 from common.timesampling import sample_train_noise, shift_sigma, training_generators, training_seeds
 from common.toy import TOY_WORLD
 from common.toy_edit import TOY_EDIT_WORLD
@@ -59,7 +60,7 @@ class Args(TrainArgs):
     multiplies per-element MEAN squared velocity errors, so its scale is tied to the target and the latent: 1–5 on
     the tiny models (their preset: 1), where 2000 saturates the sigmoid; keep z_abs_mean of order 1"""
     train_timesteps: int | None = None
-    """T: (σ, ε) draws per pair per epoch, all accumulated into the epoch's optimizer step (unset: ⌊0.99·N⌋, as
+    """T ≥ 1: (σ, ε) draws per pair per epoch, all accumulated into the epoch's optimizer step (unset: ⌊0.99·N⌋, as
     Flow-GRPO's 39 at N = 40)"""
     time_shift: float = 3.0
     """σ = s·u/(1 + (s − 1)·u) of a logit-normal u (Flow-GRPO's SD3 training shift 3; 1: no shift, Flow-Factory)"""
@@ -151,12 +152,13 @@ if __name__ == "__main__":
     check_whole_groups(args.prompts_per_epoch, world)  # the count that runs
     reference = run.shadows["ref"] if online_ref else run.reference
     sampler = reference.velocity if online_ref else torch.no_grad()(adapter.velocity)
-    num_train = args.train_timesteps or max(1, math.floor(0.99 * args.num_steps))
+    num_train = args.train_timesteps if args.train_timesteps is not None else max(1, math.floor(0.99 * args.num_steps))
     num_groups, size = args.prompts_per_epoch, args.group_size
     local_groups = slice(run.local.start // size, run.local.stop // size)  # whole groups (whole_groups=True)
     pairs_per_batch = max(1, args.batch_size // 2)  # a micro-batch of b pairs runs 2b samples through each model
     rollout_batches = rollout_micro_batches(run.local.stop - run.local.start, args.batch_size, args.updates_per_epoch)
 
+    evaluate_base(run)  # the untrained model, logged as epoch −1 (a resumed run has it)
     bar = tqdm(range(run.start_epoch, args.epochs), disable=not run.accelerator.is_main_process, desc="dpo")
     for epoch in bar:
         epoch_start = time.time()

@@ -18,7 +18,8 @@ from common.data import epoch_samples
 from common.distributed import micro_step
 from common.dynamics import sde_kl, sde_step
 from common.sampling import sample_generators
-from common.setup import epoch_metrics, evaluate, finish, log_epoch, optimizer_step, save, score_epoch, setup
+from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
+                          setup)
 from common.toy import TOY_WORLD
 from common.toy_edit import TOY_EDIT_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
@@ -43,9 +44,10 @@ class Args(TrainArgs):
     sde_window_range: tuple[int, int] | None = None
     """(lo, hi): the window starts uniformly in [lo, hi − size] (unset: (0, num_steps // 2))"""
     clip_range: float | None = None
-    """PPO clip ε on the ratio (unset: 1e-4; 1e-5 with the SDE window); tiny because log-probs are means"""
+    """PPO clip ε > 0 on the ratio (unset: 1e-4; 1e-5 with the SDE window); tiny because log-probs are means. 0 is
+    refused: the ratio clamped to [1, 1] stops training after each epoch's first optimizer step"""
     kl_beta: float = 0.0
-    """weight of the KL to the reference model (0.01 PickScore, 0.04 GenEval/OCR)"""
+    """weight ≥ 0 of the KL to the reference model (0: off; 0.01 PickScore, 0.04 GenEval/OCR)"""
     keep_zero_advantage: bool = False
     """also train on the samples of groups whose K rewards are equal (reward std < 1e-12: advantage 0); they carry
     no policy gradient, so by default they are dropped before training, as Flow-GRPO does"""
@@ -89,12 +91,17 @@ if __name__ == "__main__":
                         f"within {args.num_steps} steps")
     if args.dynamics == "cps" and not 0 <= args.noise_level <= 1:
         raise UserError(f"--dynamics cps needs --noise-level in [0, 1], got {args.noise_level}")
-    clip_range = args.clip_range or (1e-5 if window else 1e-4)
+    if args.clip_range is not None and not args.clip_range > 0:
+        raise UserError(f"--clip-range must be positive, got {args.clip_range}")
+    if args.kl_beta < 0:
+        raise UserError(f"--kl-beta must be >= 0, got {args.kl_beta}")
+    clip_range = args.clip_range if args.clip_range is not None else (1e-5 if window else 1e-4)
     run = setup(args, load_run_rewards(args), reference_copy=args.kl_beta > 0)
     adapter, sigmas, guidance, device = run.adapter, run.sigmas, run.guidance, run.device
     store = "cpu" if args.offload_trajectories else device
     rollout_batches = rollout_micro_batches(run.local.stop - run.local.start, args.batch_size, args.updates_per_epoch)
 
+    evaluate_base(run)  # the untrained model, logged as epoch −1 (a resumed run has it)
     bar = tqdm(range(run.start_epoch, args.epochs), disable=not run.accelerator.is_main_process, desc="grpo")
     for epoch in bar:
         epoch_start = time.time()

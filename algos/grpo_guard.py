@@ -16,10 +16,12 @@ from common.data import epoch_samples
 from common.distributed import micro_step
 from common.dynamics import sde_kl, sde_step
 from common.sampling import sample_generators
-from common.setup import epoch_metrics, evaluate, finish, log_epoch, optimizer_step, save, score_epoch, setup
+from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
+                          setup)
 from common.toy import TOY_WORLD
 from common.toy_edit import TOY_EDIT_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
+from common.utils import UserError
 from rewards import load_run_rewards
 
 
@@ -36,9 +38,10 @@ class Args(TrainArgs):
     noise_level: float = 0.9
     """η of the flow-SDE (0.9 FLUX, 0.7 SD3.5)"""
     clip_range: float = 1e-4
-    """PPO clip ε on the regulated ratio; tiny because log-probs are means over elements"""
+    """PPO clip ε > 0 on the regulated ratio; tiny because log-probs are means over elements. 0 is refused: the
+    ratio clamped to [1, 1] stops training after each epoch's first optimizer step"""
     kl_beta: float = 0.0
-    """weight of the KL to the reference model (0.01 PickScore, 0.04 GenEval/OCR)"""
+    """weight ≥ 0 of the KL to the reference model (0: off; 0.01 PickScore, 0.04 GenEval/OCR)"""
     keep_zero_advantage: bool = False
     """also train on the samples of groups whose K rewards are equal (reward std < 1e-12: advantage 0); they carry
     no policy gradient, so by default they are dropped before training, as Flow-GRPO does"""
@@ -82,12 +85,17 @@ def regulated_log_ratio(x_next: torch.Tensor, mean: torch.Tensor, mean_old: torc
 
 if __name__ == "__main__":
     args = parse_args(Args, PRESETS, "GRPO-Guard (arXiv:2510.22319): Flow-GRPO with a regulated ratio.")
+    if not args.clip_range > 0:
+        raise UserError(f"--clip-range must be positive, got {args.clip_range}")
+    if args.kl_beta < 0:
+        raise UserError(f"--kl-beta must be >= 0, got {args.kl_beta}")
     clip_range = args.clip_range
     run = setup(args, load_run_rewards(args), reference_copy=args.kl_beta > 0)
     adapter, sigmas, guidance, device = run.adapter, run.sigmas, run.guidance, run.device
     store = "cpu" if args.offload_trajectories else device
     rollout_batches = rollout_micro_batches(run.local.stop - run.local.start, args.batch_size, args.updates_per_epoch)
 
+    evaluate_base(run)  # the untrained model, logged as epoch −1 (a resumed run has it)
     bar = tqdm(range(run.start_epoch, args.epochs), disable=not run.accelerator.is_main_process, desc="grpo_guard")
     for epoch in bar:
         epoch_start = time.time()

@@ -23,7 +23,8 @@ from common.distributed import micro_step
 from common.dynamics import sde_kl, sde_step
 from common.sampling import sample_generators
 from common.solvers import dpm_solver_sample
-from common.setup import epoch_metrics, evaluate, finish, log_epoch, optimizer_step, save, score_epoch, setup
+from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
+                          setup)
 from common.toy import TOY_WORLD
 from common.toy_edit import TOY_EDIT_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
@@ -48,7 +49,7 @@ class Args(TrainArgs):
     window_schedule: Literal["progressive", "random", "decay", "exp_decay"] = "progressive"
     """where the window starts each epoch"""
     iters_per_window: int | None = None
-    """τ: epochs the window stays at one start (progressive; exp_decay's base) (unset: 25, 20 with --flash)"""
+    """τ ≥ 1: epochs the window stays at one start (progressive; exp_decay's base) (unset: 25, 20 with --flash)"""
     window_stride: int = 1
     """how many steps the window moves when it moves (progressive, decay, exp_decay)"""
     same_group_noise: bool = True
@@ -59,9 +60,10 @@ class Args(TrainArgs):
     flash_compress_ratio: float = 0.4
     """Flash: the steps after the window shrink to max(⌊(S − L)·ratio⌋, 2) σ points (L: last window step)"""
     clip_range: float = 1e-4
-    """PPO clip ε on the ratio; tiny because log-probs are means over elements"""
+    """PPO clip ε > 0 on the ratio; tiny because log-probs are means over elements. 0 is refused: the ratio clamped
+    to [1, 1] stops training after each epoch's first optimizer step"""
     kl_beta: float = 0.0
-    """weight of the KL to the reference model (the paper uses 0)"""
+    """weight ≥ 0 of the KL to the reference model (0: off; the paper uses 0)"""
     keep_zero_advantage: bool = False
     """also train on the samples of groups whose K rewards are equal (reward std < 1e-12: advantage 0); they carry
     no policy gradient, so by default they are dropped before training, as Flow-GRPO does"""
@@ -183,13 +185,19 @@ if __name__ == "__main__":
         raise UserError("--num-steps must be at least 3 (the last two steps are never in the window)")
     if not 1 <= args.window_size <= args.num_steps - 2:
         raise UserError(f"--window-size must be in [1, {args.num_steps - 2}] (num_steps − 2) for {args.num_steps} steps")
-    iters_per_window = args.iters_per_window or (20 if args.flash else 25)
+    iters_per_window = args.iters_per_window
+    if iters_per_window is None:
+        iters_per_window = 20 if args.flash else 25
     if iters_per_window < 1 or args.window_stride < 1:
         raise UserError("--iters-per-window and --window-stride must be at least 1")
     if not 0.0 < args.flash_compress_ratio <= 1.0:
         raise UserError("--flash-compress-ratio must be in (0, 1]")
     if args.dynamics == "cps" and not 0 <= args.noise_level <= 1:
         raise UserError(f"--dynamics cps needs --noise-level in [0, 1], got {args.noise_level}")
+    if not args.clip_range > 0:
+        raise UserError(f"--clip-range must be positive, got {args.clip_range}")
+    if args.kl_beta < 0:
+        raise UserError(f"--kl-beta must be >= 0, got {args.kl_beta}")
     clip_range = args.clip_range
     run = setup(args, load_run_rewards(args), reference_copy=args.kl_beta > 0)
     adapter, sigmas, guidance, device = run.adapter, run.sigmas, run.guidance, run.device
@@ -197,6 +205,7 @@ if __name__ == "__main__":
     store = "cpu" if args.offload_trajectories else device
     rollout_batches = rollout_micro_batches(run.local.stop - run.local.start, args.batch_size, args.updates_per_epoch)
 
+    evaluate_base(run)  # the untrained model, logged as epoch −1 (a resumed run has it)
     bar = tqdm(range(run.start_epoch, args.epochs), disable=not run.accelerator.is_main_process, desc="mixgrpo")
     for epoch in bar:
         epoch_start = time.time()

@@ -17,7 +17,8 @@ from common.cli import TrainArgs, parse_args
 from common.data import epoch_samples
 from common.distributed import micro_step
 from common.sampling import sample, sample_generators
-from common.setup import epoch_metrics, evaluate, finish, log_epoch, optimizer_step, save, score_epoch, setup
+from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
+                          setup)
 from common.timesampling import (check_time_sampling, default_num_train, sample_train_noise, sample_train_sigmas,
                                  training_generators, training_seeds)
 from common.toy import TOY_WORLD
@@ -45,7 +46,7 @@ class Args(TrainArgs):
     """training σ's per sample: discrete_random (T distinct rollout steps uniformly at random, the reference's),
     discrete / discrete_wo_init (stratified over the rollout steps, AWM's), uniform, logit_normal"""
     train_timesteps: int | None = None
-    """T: σ's trained per sample (unset: ⌊0.99·n⌋ of the n eligible rollout steps, as the reference)"""
+    """T ≥ 1: σ's trained per sample (unset: ⌊0.99·n⌋ of the n eligible rollout steps, as the reference)"""
     timestep_range: tuple[float, float] = (0.0, 1.0)
     """(f_lo, f_hi) fractions along the denoising axis (discrete kinds: rollout steps [⌊f_lo·N⌋, ⌊f_hi·N⌋))"""
     time_shift: float = 3.0
@@ -135,6 +136,8 @@ if __name__ == "__main__":
         raise UserError(f"--nft-beta must be positive, got {args.nft_beta}")
     if args.kl_beta < 0:
         raise UserError(f"--kl-beta must be >= 0, got {args.kl_beta}")
+    if args.train_timesteps is not None and args.train_timesteps < 1:
+        raise UserError(f"--train-timesteps must be at least 1 (unset: the default), got {args.train_timesteps}")
     if args.decay_flat < 0 or args.decay_uprate < 0 or not 0 <= args.decay_uphold <= 1:
         raise UserError("the θ_old decay needs --decay-flat >= 0, --decay-uprate >= 0 and --decay-uphold in [0, 1]")
     if args.dynamics == "cps" and not 0 <= args.noise_level <= 1:
@@ -142,11 +145,13 @@ if __name__ == "__main__":
     # θ_old: a second LoRA adapter "old" (or a frozen copy when fully fine-tuning), equal to θ at the start.
     run = setup(args, load_run_rewards(args), shadows=("old",), reference_copy=args.kl_beta > 0, cfg_free=True)
     adapter, sigmas, guidance, device, old = run.adapter, run.sigmas, run.guidance, run.device, run.shadows["old"]
-    num_train = args.train_timesteps or default_num_train(args.time_sampling, sigmas, args.timestep_range)
+    num_train = (args.train_timesteps if args.train_timesteps is not None else
+                 default_num_train(args.time_sampling, sigmas, args.timestep_range))
     check_time_sampling(args.time_sampling, num_train, sigmas, args.timestep_range)
     samples_per_epoch, local_count = args.prompts_per_epoch * args.group_size, run.local.stop - run.local.start
     rollout_batches = rollout_micro_batches(local_count, args.batch_size, args.updates_per_epoch)
 
+    evaluate_base(run)  # the untrained model, logged as epoch −1 (a resumed run has it)
     bar = tqdm(range(run.start_epoch, args.epochs), disable=not run.accelerator.is_main_process, desc="nft")
     for epoch in bar:
         epoch_start = time.time()

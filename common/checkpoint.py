@@ -114,7 +114,7 @@ def read_checkpoint(folder: Path, full_finetune: bool, process_index: int) -> Ch
             return load()
         except FileNotFoundError:
             raise CheckpointError(f"{what} is missing") from None
-        except Exception as err:  # truncated or corrupt files raise many kinds of errors
+        except Exception:  # truncated or corrupt files raise many kinds of errors
             raise CheckpointError(f"{what} does not load") from None
 
     meta = read("meta.json", lambda: json.loads((folder / "meta.json").read_text()))

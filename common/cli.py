@@ -2,15 +2,19 @@
 presets, and the checks that turn bad values into one-line errors before anything is loaded or written."""
 
 import contextlib
+import dataclasses
 import io
+import math
+import os
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 import tyro
 
 from common.data import DEFAULT_DATASET
+from common.training import check_updates_per_epoch
 from common.utils import UserError, avoid_cudnn_attention, install_user_error_hook, quiet_libraries
 
 # Kept here, not read off the adapters, so that parsing flags imports no model code (tests check they agree).
@@ -24,6 +28,10 @@ NON_FINITE_NOTE = ("A non-finite reward, loss or gradient norm stops the run wit
 
 @dataclass
 class TrainArgs:
+    # Flags for which +inf is a documented setting (`--clip-range inf`: no clip); every other float flag must be
+    # finite (check_finite). A ClassVar, so not a flag.
+    infinity_allowed: ClassVar[tuple[str, ...]] = ()
+
     # Run
     exp_name: str = ""
     """the name of this experiment (empty: the script's file name)"""
@@ -194,8 +202,29 @@ def parse_args(args_class, presets: dict[str, dict] | None = None, description: 
     args = cli_one_line(args_class, default=default, args=argv, description=description)
     if getattr(args, "exp_name", None) == "":
         args.exp_name = Path(sys.argv[0]).stem
+    check_finite(args)
     (check or check_args)(args)
     return args
+
+
+def _floats(value) -> list[float]:
+    if isinstance(value, float):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if isinstance(v, float)]
+    return []
+
+
+def check_finite(args) -> None:
+    """Every float flag of any script's Args (alone or in a tuple or list) is finite: a NaN or inf would reach the
+    loss as "gradient norm is nan" epochs later. Only the flags in the class's `infinity_allowed` may be +inf."""
+    allowed = getattr(type(args), "infinity_allowed", ())
+    for spec in dataclasses.fields(args):
+        value = getattr(args, spec.name)
+        if any(not math.isfinite(v) and not (v == math.inf and spec.name in allowed) for v in _floats(value)):
+            shown = " ".join(map(str, value)) if isinstance(value, (tuple, list)) else value
+            what = "a finite number or inf" if spec.name in allowed else "finite"
+            raise UserError(f"--{spec.name.replace('_', '-')} must be {what}, got {shown}")
 
 
 # (flag, smallest allowed value, why): every numeric flag of TrainArgs with a lower bound
@@ -216,6 +245,9 @@ def check_args(args) -> None:
     for name in _POSITIVE:
         if not getattr(args, name) > 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    # Early, with the launchers' process count (WORLD_SIZE); rollout_micro_batches checks it again after setup.
+    local = args.prompts_per_epoch * args.group_size // int(os.environ.get("WORLD_SIZE", "1"))
+    check_updates_per_epoch(args.updates_per_epoch, local)
     if args.learning_rate is not None and not args.learning_rate > 0:
         raise UserError(f"--learning-rate must be positive, got {args.learning_rate}")
     if args.eval_num_steps is not None and args.eval_num_steps < 1:

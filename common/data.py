@@ -87,8 +87,9 @@ def _condition_images(item: dict, folder: Path, where: str) -> tuple[tuple[str, 
 
 
 def _lines(path: Path) -> list[str]:
-    """The file's lines; a byte sequence that is not UTF-8 is reported with its file and line."""
-    lines = path.read_bytes().split(b"\n")
+    """The file's lines, without a UTF-8 byte-order mark (editors on Windows write one; it would stay in the first
+    prompt, or break the first JSON line); a byte sequence that is not UTF-8 is reported with its file and line."""
+    lines = path.read_bytes().removeprefix(b"\xef\xbb\xbf").split(b"\n")
     for number, line in enumerate(lines, start=1):
         try:
             line.decode("utf-8")
@@ -100,6 +101,9 @@ def _lines(path: Path) -> list[str]:
 
 def load_prompts(dataset: str | Path, split: str) -> list[Prompt]:
     folder = Path(dataset)
+    if folder.is_file():
+        raise UserError(f"--dataset {str(folder)!r} is a file, not a folder: give the folder that holds {split}.jsonl "
+                        f"or {split}.txt")
     if not folder.is_dir():
         raise UserError(f"dataset folder {str(folder)!r} does not exist")
     jsonl, txt = folder / f"{split}.jsonl", folder / f"{split}.txt"

@@ -4,6 +4,7 @@ model, LoRA or full fine-tuning, frozen policies, optimizer, `prepare`, resume) 
 
 import atexit
 import copy
+import json
 import os
 import shutil
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import broadcast_object_list
 
 from common.cache import PromptEncoder, cache_texts, condition_inputs, find_cache
 from common.checkpoint import (LORA_FILE, clean_stale_writes, load_full_state_into, load_lora_state_into,
@@ -23,13 +24,16 @@ from common.cluster import LOCK_FILE, exit_stopped, lock_output_dir, requested_s
 from common.data import check_conditions, load_prompts, shard
 from common.distributed import (configure_backend, load_optimizer_state_dict, lora_state_dict, optimizer_state_dict,
                                 place_like, save_pretrained, staging_device, trainable)
+from common.evaluation import evaluate_prompts
 from common.models import ADAPTERS, load_adapter, resolve_model_path
-from common.sampling import sample, sample_generators
-from common.scoring import condition_tensors, score_samples
+from common.scoring import score_samples
 from common.shadow import ReferencePolicy, ShadowPolicy
-from common.tracking import MetricsLog, check_finite, format_metrics, log_image, save_image_grid
+from common.tracking import MetricsLog, check_finite, format_metrics
 from common.training import EMA, add_lora, lr_scheduler, trainable_parameters
 from common.utils import RunStopped, UserError, peak_memory_gb, resolve_dtype
+
+
+RUN_ARGS_FILE = "run_args.json"  # the flags of the run's last start (evaluate.py reads them)
 
 
 @dataclass
@@ -144,8 +148,7 @@ def _find_resume(args, output_dir: Path, rank: int):
 
 def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bool = False,
           cfg_free: bool = False) -> Run:
-    """Build everything a script needs before its first epoch, resuming when asked; a fresh run then evaluates the
-    untrained model (`evaluate_base`, logged as epoch −1).
+    """Build everything a script needs before its first epoch, resuming when asked.
 
     rewards: the loaded rewards (`rewards.load_run_rewards(args)`; `common.scoring.Reward`s), which the script
     hands in so that `common` never imports `rewards/` (rewards build on common, not the other way round).
@@ -227,6 +230,7 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
         if restart:  # the new run's lines must not follow the old ones
             (output_dir / "metrics.jsonl").unlink()
             shutil.rmtree(output_dir / "eval", ignore_errors=True)
+        _save_run_args(output_dir, args, guidance)
     if skipped:
         accelerator.print(f"skipped checkpoints that do not load completely: {'; '.join(skipped)}")
     if checkpoint is not None:
@@ -240,9 +244,17 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
     if args.track:
         accelerator.init_trackers(args.wandb_project, config={k: str(v) for k, v in vars(args).items()},
                                   init_kwargs={"wandb": {"name": f"{args.exp_name}-{args.seed}", "dir": str(output_dir)}})
-    evaluate_base(run)
     stop_after_epoch_on_signals()  # before this, nothing is trained: a signal ends the run at once
     return run
+
+
+def _save_run_args(output_dir: Path, args, guidance: float) -> None:
+    """Every flag of this start (and the guidance it resolved to), for evaluate.py to score the run as it was
+    evaluated; rewritten on each start, so it holds a resumed run's last flags."""
+    settings = {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()}
+    tmp = output_dir / (RUN_ARGS_FILE + ".tmp")
+    tmp.write_text(json.dumps({**settings, "guidance": guidance}, indent=1, default=str) + "\n")
+    os.replace(tmp, output_dir / RUN_ARGS_FILE)
 
 
 def _restore(run: Run, checkpoint) -> None:
@@ -315,84 +327,34 @@ def epoch_metrics(run: Run, epoch: int, all_raw: torch.Tensor, stats: dict, timi
 
 @torch.no_grad()
 def evaluate(run: Run, epoch: int) -> dict:
-    """At every --eval-every epochs, after the last, and before the first update (epoch −1, `evaluate_base`):
-    Euler-ODE samples of the first --eval-num-prompts test prompts × --eval-seeds fixed seeds (the same in every
-    run), with the trained weights (their EMA with --ema): the rewards' means, each check of a reward that reports
-    checks (`score.checks(images, prompts)`), each with its standard error (`_se`: the sample standard deviation
-    over the prompts × seeds / √n), and a captioned image grid in OUTPUT_DIR/eval/ and the trackers."""
-    args, adapter, accelerator = run.args, run.adapter, run.accelerator
+    """At every --eval-every epochs, after the last, and before the first update (epoch −1, `evaluate_base`): the
+    first --eval-num-prompts test prompts × --eval-seeds fixed seeds (the same in every run) with the trained
+    weights (their EMA with --ema), scored by `common.evaluation.evaluate_prompts` (the rewards' means, each check
+    of a reward that reports checks, each with its standard error `_se`); its captioned grid goes to
+    OUTPUT_DIR/eval/ and the trackers. evaluate.py runs the same code on a run's checkpoint."""
+    args = run.args
     if not args.eval_every or (epoch >= 0 and not (epoch % args.eval_every == 0 or epoch == args.epochs - 1)):
         return {}
-    prompts = run.test_prompts[: args.eval_num_prompts]
-    items = [(i, s) for i in range(len(prompts)) for s in range(args.eval_seeds)]
-    sigmas = adapter.sigmas(args.eval_num_steps or args.num_steps)
-    pointwise = [r for r in run.rewards if not r.groupwise]
-    results = []
     run.transformer.eval()
-    with run.ema.applied() if run.ema is not None else nullcontext(), \
-            accelerator.split_between_processes(list(range(len(items)))) as mine:
-        for start in range(0, len(mine), args.batch_size):
-            batch = [items[k] for k in mine[start:start + args.batch_size]]
-            cond = run.encode([prompts[i] for i, _ in batch])
-            seeds = [i + 1_000_003 * s for i, s in batch]  # prompt i's first seed is i, as in earlier versions
-            velocity = lambda x, sigma: adapter.velocity(x, sigma, cond, run.guidance)  # noqa: E731
-            x0 = sample(velocity, adapter.noise(sample_generators(seeds, run.device)), sigmas, "ode")
-            images = adapter.decode(x0)
-            texts = [prompts[i].prompt for i, _ in batch]
-            conditions = [prompts[i].images for i, _ in batch]
-            raw = score_samples(pointwise, images, texts, torch.tensor([prompts[i].key for i, _ in batch]),
-                                conditions=conditions)
-            checks = {f"{r.name}_{name}": values for r in pointwise if hasattr(r.score, "checks")
-                      for name, values in r.score.checks(images, texts, *(
-                          [condition_tensors(conditions)] if r.wants_conditions else [])).items()}
-            for row, (i, s) in enumerate(batch):
-                results.append(((i, s), raw[row].tolist(), {k: float(v[row]) for k, v in checks.items()},
-                                images[row].cpu() if s < 8 else None))
-    results = sorted(gather_object(results), key=lambda item: item[0])
-    raw = torch.tensor([r[1] for r in results], dtype=torch.float64)
-    weights = torch.tensor([r.weight for r in pointwise], dtype=torch.float64)
-    columns = {"reward_mean": raw @ weights, **{f"reward_{r.name}": raw[:, k] for k, r in enumerate(pointwise)},
-               **{key: torch.tensor([r[2][key] for r in results], dtype=torch.float64) for key in results[0][2]}}
-    out = {}
-    for key, values in columns.items():  # each mean and its standard error over the prompts × seeds
-        out[f"eval_{key}"] = float(values.mean())
-        out[f"eval_{key}_se"] = float(values.std() / len(values) ** 0.5) if len(values) > 1 else 0.0
-    if accelerator.is_main_process:
-        shown = min(args.eval_seeds, 8)
-        samples = torch.stack([r[3] for r in results if r[3] is not None])
-        if any(p.images for p in prompts):  # edits and image-to-video: each row starts with its condition image
-            samples, shown = _with_conditions(samples, prompts, shown), shown + 1
-        name = f"epoch_{epoch:06d}.png" if epoch >= 0 else "base.png"
-        picture = save_image_grid(samples, run.output_dir / "eval" / name, columns=shown,
-                                  captions=[p.prompt for p in prompts])
-        log_image(accelerator, "eval/samples", picture, max(epoch, 0))
-    return out
+    grid = run.output_dir / "eval" / (f"epoch_{epoch:06d}.png" if epoch >= 0 else "base.png")
+    with run.ema.applied() if run.ema is not None else nullcontext():
+        return evaluate_prompts(run.adapter, run.accelerator, run.encode, run.rewards,
+                                run.test_prompts[: args.eval_num_prompts], args.eval_seeds,
+                                args.eval_num_steps or args.num_steps, args.batch_size, run.guidance, grid,
+                                max(epoch, 0))
 
 
 def evaluate_base(run: Run) -> None:
     """The evaluation of the untrained model, logged as epoch −1 before any training line so that every table's
-    base is the model before the first update (after it, a harmful first step would pass for the start). A
-    resumed run has it already. The global RNG is left as it was: the training that follows is unchanged."""
+    base is the model before the first update (after it, a harmful first step would pass for the start). Scripts
+    call it after their own checks, just before the epoch loop, so that bad flags stop a run before it spends an
+    evaluation. A resumed run has it already. The global RNG is left as it was: the training is unchanged."""
     if not run.args.eval_every or run.start_epoch > 0:
         return
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         metrics = evaluate(run, -1)
     log_epoch(run, {"epoch": -1, **metrics}, ["epoch", "eval_reward_mean"])
-
-
-def _with_conditions(samples: torch.Tensor, prompts: list, per_row: int) -> torch.Tensor:
-    """The evaluation grid's cells with each prompt's (first) condition image before its samples, resized to them
-    (videos: repeated over the frames)."""
-    cells = []
-    for row, prompt in enumerate(prompts):
-        (condition,) = condition_tensors([prompt.images[:1]])[0]
-        condition = torch.nn.functional.interpolate(condition[None], size=samples.shape[-2:], mode="bilinear",
-                                                    antialias=True)[0].clamp(0, 1)
-        if samples.ndim == 5:
-            condition = condition.expand(samples.shape[1], *condition.shape)
-        cells += [condition, *samples[row * per_row:(row + 1) * per_row]]
-    return torch.stack(cells)
 
 
 def log_epoch(run: Run, metrics: dict, show: list[str], bar=None) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from common.distributed import copy_full_, full_tensor, reshard
+from common.utils import UserError
 
 
 def add_lora(transformer, rank: int, alpha: float, target_modules: list[str]) -> None:
@@ -126,8 +127,18 @@ def plan_micro_batches(keep: torch.Tensor, world: int, rank: int, batch_size: in
     return plan
 
 
+def check_updates_per_epoch(updates: int, local_count: int) -> None:
+    """One-line refusal of more optimizer steps than a process has samples: the rollout's micro-batches would hold
+    padding, rolled out and scored as if it were samples."""
+    if updates > local_count:
+        raise UserError(f"--updates-per-epoch {updates} exceeds the {local_count} samples each process has per epoch "
+                        f"(--prompts-per-epoch × --group-size / processes): every optimizer step needs at least one")
+
+
 def rollout_micro_batches(local_count: int, batch_size: int, updates: int) -> list[torch.Tensor]:
-    """The rollout's micro-batches of this process's samples: those of `plan_micro_batches` with every sample kept."""
+    """The rollout's micro-batches of this process's samples: those of `plan_micro_batches` with every sample kept.
+    Called by every script right after setup, so the check sees the process count that runs."""
+    check_updates_per_epoch(updates, local_count)
     plan = plan_micro_batches(torch.ones(local_count, dtype=torch.bool), 1, 0, batch_size, updates)
     return [mb.index for update in plan for mb in update]
 

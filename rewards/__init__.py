@@ -96,6 +96,9 @@ def _import_reward(source: str, spec: str):
     except ModuleNotFoundError as error:
         raise UserError(f"--reward {spec!r}: cannot import {module_name!r} ({error}); install it or add its "
                         f"folder to PYTHONPATH") from None
+    except SyntaxError as error:  # the user's own file: where, not a traceback through importlib
+        raise UserError(f"--reward {spec!r}: {error.filename}:{error.lineno}: {type(error).__name__} in "
+                        f"{module_name!r}: {error.msg}") from None
     if not hasattr(module, attr):
         raise UserError(f"--reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
     return getattr(module, attr)

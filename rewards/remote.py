@@ -7,13 +7,15 @@ packages are installed):
 Client, in the training command:
     --reward remote:1.0,url=http://127.0.0.1:8000[,timeout=120,retries=3,batch_size=32,name=...]
 
-Protocol: GET /info -> {"name", "groupwise", "wants_conditions"}; POST /score {"prompts": [...], "images":
-[base64 PNG, ...]} (plus "conditions": [[base64 PNG, ...] per sample] for a reward that wants them) -> {"scores":
-[...]} or, when the reward fails, status 500 {"error": "..."}. Images travel as 8-bit PNG
-(lossless for the round(255·x) images that the built-in rewards score anyway).
+Protocol: GET /info -> {"name", "groupwise", "wants_conditions", "max_request_bytes"}; POST /score {"prompts":
+[...], "images": [base64 PNG, ...]} (plus "conditions": [[base64 PNG, ...] per sample] for a reward that wants
+them) -> {"scores": [one number per image]} or, when the reward fails, status 500 {"error": "..."}; a body over
+max_request_bytes gets 413. Images travel as 8-bit PNG (lossless for the round(255·x) images that the built-in
+rewards score anyway).
 """
 
 import base64
+import http.client
 import io
 import json
 import socket
@@ -21,6 +23,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import numpy as np
@@ -49,16 +52,28 @@ def decode_images(encoded: list[str]) -> torch.Tensor:
     return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255
 
 
+def _shown(value) -> str:
+    """A JSON value as the server sent it, cut short for an error line."""
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 class RemoteReward:
     """Client of a reward server. Connection failures and timeouts are retried with exponential backoff
     (1 s, 2 s, 4 s, ...); a server that stays unreachable stops the run with a UserError naming its URL, and one
     that answered /info but then hangs is reported as stuck, not unreachable. A request still waiting after
     `notice_after` seconds prints one line saying what it waits for. The server's name and groupwise flag are read
-    once, at load, so a down server fails before training."""
+    once, at load, so a down server, or something at the URL that is not a reward server, fails before training
+    with one line. An answer to /score that is not one number per image is a RuntimeError naming the server."""
 
     def __init__(self, url: str = "", timeout: str = "120", retries: str = "3", batch_size: str = "32",
                  backoff: str = "1.0", notice_after: str = "5"):
-        if not url.startswith(("http://", "https://")):
+        try:
+            parts = urllib.parse.urlsplit(url)
+            parts.port  # noqa: B018 (raises ValueError for a port that is not a number)
+        except ValueError:  # such a port, or an unclosed "[" of an IPv6 address
+            parts = None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
             raise UserError(f"the remote reward needs url=http://HOST:PORT (got {url!r})")
         try:
             self.timeout, self.retries = float(timeout), int(retries)
@@ -67,11 +82,23 @@ class RemoteReward:
         except ValueError:
             raise UserError("remote reward options timeout/backoff must be numbers and retries/batch_size "
                             "integers") from None
-        self.url, self.reached = url.rstrip("/"), False
-        info = self._request("/info")
+        self.url, self.reached, self.max_request_bytes = url.rstrip("/"), False, None
+        not_a_server = "(is it a reward server? python -m rewards.server)"
+        try:
+            info = self._request("/info")
+        except RuntimeError as error:  # it answered, but not as a reward server does
+            raise UserError(f"{error} {not_a_server}") from None
         self.reached = True  # from now on a refused connection means the server went down
-        self.name, self.groupwise = str(info["name"]), bool(info["groupwise"])
-        self.wants_conditions = bool(info.get("wants_conditions", False))  # servers before conditions omit it
+        # "wants_conditions" and "max_request_bytes" are optional: older servers omit them
+        if not (isinstance(info, dict) and isinstance(info.get("name"), str) and isinstance(info.get("groupwise"), bool)
+                and isinstance(info.get("wants_conditions", False), bool)
+                and type(info.get("max_request_bytes", 1)) is int and info.get("max_request_bytes", 1) > 0):
+            raise UserError(f"server {self.url} answered /info with {_shown(info)}, not an object with \"name\" (a "
+                            f"string), \"groupwise\" (true or false) and optional \"wants_conditions\" (true or "
+                            f"false), \"max_request_bytes\" (a positive integer) {not_a_server}")
+        self.name, self.groupwise = info["name"], info["groupwise"]
+        self.wants_conditions = info.get("wants_conditions", False)
+        self.max_request_bytes = info.get("max_request_bytes")
 
     def _open(self, request, what: str):
         """urlopen in a thread, so that a slow server is reported after a few seconds instead of in silence."""
@@ -93,12 +120,21 @@ class RemoteReward:
             thread.join()
         if "error" in result:
             raise result["error"]
-        return json.loads(result["body"])
+        try:
+            return json.loads(result["body"])
+        except ValueError:
+            body = result["body"][:80].decode(errors="replace")
+            raise RuntimeError(f"server {self.url} answered {what} with something that is not JSON: {body!r}") from None
 
     def _request(self, route: str, payload: dict | None = None, what: str | None = None) -> dict:
         data = None if payload is None else json.dumps(payload).encode()
-        request = urllib.request.Request(self.url + route, data=data, headers={"Content-Type": "application/json"})
         what = what or route
+        if data is not None and self.max_request_bytes is not None and len(data) > self.max_request_bytes:
+            fewer = ("a groupwise reward sends whole groups: lower --group-size" if self.groupwise else
+                     f"lower batch_size= (now {self.batch_size})")
+            raise UserError(f"a {what} request is {len(data)} bytes, over the {self.max_request_bytes} that reward "
+                            f"server {self.url} accepts: {fewer}, or restart the server with a larger --max-request-mb")
+        request = urllib.request.Request(self.url + route, data=data, headers={"Content-Type": "application/json"})
         reason, answered = "", False
         for attempt in range(self.retries + 1):
             if attempt:
@@ -110,8 +146,8 @@ class RemoteReward:
                 if error.code not in RETRYABLE_STATUS:
                     try:
                         body = json.loads(body)["error"]
-                    except (ValueError, KeyError, TypeError):
-                        pass
+                    except (ValueError, KeyError, TypeError):  # not our server's JSON (an HTML page?): one line
+                        body = " ".join(body.split())[:200]
                     raise RuntimeError(f"server {self.url} answered {error.code}: {body}") from None
                 reason, answered = f"HTTP {error.code}", True
             except (TimeoutError, socket.timeout) as error:
@@ -122,6 +158,9 @@ class RemoteReward:
                     reason, answered = f"no answer within {self.timeout:g} s", True
                 else:
                     reason = str(cause)
+            except http.client.HTTPException as error:  # something listens there, but does not speak HTTP
+                raise RuntimeError(f"server {self.url} did not answer {what} in HTTP ({type(error).__name__}: "
+                                   f"{error})") from None
         if answered:  # it accepted the connection: running, but stuck or too slow
             raise UserError(f"reward server {self.url} did not answer {what} ({reason}) after {self.retries + 1} "
                             f"tries; it is running but stuck or too slow (raise timeout=)")
@@ -140,5 +179,15 @@ class RemoteReward:
                 payload["conditions"] = [encode_images(torch.stack(c)) if c else [] for c in
                                          conditions[start:start + step]]
             answer = self._request("/score", payload, what=f"/score ({len(chunk)} images)")
-            scores += answer["scores"]
+            got = answer.get("scores") if isinstance(answer, dict) else None
+            if not isinstance(got, list):  # a JSON object of scores would otherwise be read as its keys
+                raise RuntimeError(f"server {self.url} answered /score with {_shown(answer)}, not an object with a "
+                                   f"\"scores\" list")
+            if len(got) != len(chunk):
+                raise RuntimeError(f"server {self.url} answered /score with {len(got)} scores for {len(chunk)} images")
+            for i, value in enumerate(got):
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise RuntimeError(f"server {self.url} answered /score with {_shown(value)} as score {i}, not a "
+                                       f"number")
+            scores += got
         return scores

@@ -1,22 +1,47 @@
 """Reference reward server (protocol in rewards/remote.py): wraps any reward this package can load.
 
     python -m rewards.server --reward pickscore --host 127.0.0.1 --port 8000 [--device cuda] [--dtype bfloat16]
+        [--timeout 60] [--max-request-mb 512]
+
+One server can serve several training jobs at once: each connection is read in its own thread, so an idle or
+stalled client holds no one up, and only the scoring itself runs one request at a time (reward models are not
+thread-safe). A connection silent for --timeout seconds is dropped; a request body over --max-request-mb is refused
+with 413 before it is read.
 """
 
 import json
+import sys
+import threading
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
 from rewards import call_reward, load_rewards
 from rewards.remote import decode_images
 
+DEFAULT_TIMEOUT = 60.0
+DEFAULT_MAX_REQUEST_MB = 512
 
-def make_server(reward, host: str = "127.0.0.1", port: int = 0) -> HTTPServer:
-    """An HTTP server (one request at a time: reward models are not thread-safe) around a loaded Reward."""
+
+class RewardServer(ThreadingHTTPServer):
+    requests_served = 0
+
+    def handle_error(self, request, client_address):
+        # A client that stops reading or writing mid-request (socket timeout, reset): one line, not a traceback.
+        print(f"reward server: dropped the connection from {client_address[0]}:{client_address[1]} "
+              f"({sys.exc_info()[1]!r})", file=sys.stderr, flush=True)
+
+
+def make_server(reward, host: str = "127.0.0.1", port: int = 0, timeout: float = DEFAULT_TIMEOUT,
+                max_request_bytes: int = DEFAULT_MAX_REQUEST_MB * 2**20) -> RewardServer:
+    """An HTTP server around a loaded Reward: requests are read concurrently and scored one at a time; a connection
+    silent for `timeout` seconds is dropped, a body over `max_request_bytes` refused (413) unread."""
+    score_lock, socket_timeout = threading.Lock(), timeout
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = socket_timeout  # set on the socket by StreamRequestHandler: bounds each read and write, not scoring
+
         def _send(self, status: int, payload: dict):
             body = json.dumps(payload).encode()
             self.send_response(status)
@@ -29,13 +54,26 @@ def make_server(reward, host: str = "127.0.0.1", port: int = 0) -> HTTPServer:
             if self.path != "/info":
                 return self._send(404, {"error": f"unknown route {self.path}; use GET /info or POST /score"})
             self._send(200, {"name": reward.name, "groupwise": reward.groupwise,
-                             "wants_conditions": reward.wants_conditions})
+                             "wants_conditions": reward.wants_conditions, "max_request_bytes": max_request_bytes})
 
         def do_POST(self):
             if self.path != "/score":
                 return self._send(404, {"error": f"unknown route {self.path}; use GET /info or POST /score"})
             try:
-                request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                length = int(self.headers.get("Content-Length", ""))
+            except ValueError:
+                length = -1
+            if length < 0:
+                return self._send(411, {"error": "POST /score needs a Content-Length header (the body's bytes)"})
+            if length > max_request_bytes:  # answered without reading the body; the connection then closes
+                return self._send(413, {"error": f"request body of {length} bytes exceeds this server's limit of "
+                                                 f"{max_request_bytes} (--max-request-mb); send fewer images per "
+                                                 f"request"})
+            data = self.rfile.read(length)  # a client silent for `timeout` seconds raises TimeoutError: dropped
+            if len(data) < length:  # the client hung up mid-body: nobody to answer
+                return
+            try:
+                request = json.loads(data)
                 images, prompts = decode_images(request["images"]), list(request["prompts"])
                 conditions = None
                 if "conditions" in request:  # each sample's condition images, as (3, h, w) tensors
@@ -43,18 +81,22 @@ def make_server(reward, host: str = "127.0.0.1", port: int = 0) -> HTTPServer:
             except Exception as error:
                 return self._send(400, {"error": f"malformed request: {error}"})
             try:
-                scores = call_reward(reward, images, prompts, conditions)
+                with score_lock:
+                    scores = call_reward(reward, images, prompts, conditions)
+                    self.server.requests_served += 1
             except Exception as error:  # reported to the client, which stops its run with this message
                 return self._send(500, {"error": str(error)})
-            self.server.requests_served += 1
             self._send(200, {"scores": scores.tolist()})
 
         def log_message(self, format, *args):  # keep the console for errors
             pass
 
-    server = HTTPServer((host, port), Handler)
-    server.requests_served = 0
-    return server
+        def log_error(self, format, *args):  # a timed-out or malformed request: one line on the console
+            print(f"reward server: {self.client_address[0]}:{self.client_address[1]}: {format % args}",
+                  file=sys.stderr, flush=True)
+
+    return RewardServer((host, port), Handler)
+    return RewardServer((host, port), Handler)
 
 
 @dataclass
@@ -69,12 +111,20 @@ class ServerArgs:
     """device of the reward model"""
     dtype: str = "float32"
     """dtype of the reward model: float32, bfloat16, float16"""
+    timeout: float = DEFAULT_TIMEOUT
+    """seconds a connection may stay silent (while its request is read or its answer sent) before it is dropped, so
+    that a stalled client holds nothing; the time spent scoring does not count"""
+    max_request_mb: float = DEFAULT_MAX_REQUEST_MB
+    """largest request body, in MiB: a larger one is refused (413) before it is read; clients learn the limit from
+    /info and refuse a larger request themselves, naming batch_size="""
 
 
 if __name__ == "__main__":
+    import math
+
     import tyro
 
-    from common.utils import install_user_error_hook, quiet_libraries, resolve_dtype
+    from common.utils import UserError, install_user_error_hook, quiet_libraries, resolve_dtype
 
     install_user_error_hook()
     try:  # a server environment may hold only what its reward needs
@@ -82,9 +132,17 @@ if __name__ == "__main__":
     except ImportError:
         pass
     args = tyro.cli(ServerArgs)
+    for flag, value in (("--timeout", args.timeout), ("--max-request-mb", args.max_request_mb)):
+        if not 0 < value < math.inf:
+            raise UserError(f"{flag} must be a positive number, got {value}")
     device = torch.device(args.device)
     (reward,) = load_rewards([args.reward], device, resolve_dtype(args.dtype, device))
-    server = make_server(reward, args.host, args.port)
+    try:
+        server = make_server(reward, args.host, args.port, args.timeout, int(args.max_request_mb * 2**20))
+    except OSError as error:
+        raise UserError(f"cannot listen on {args.host}:{args.port} ({error.strerror or error}): another server may "
+                        f"be running there (jobs can share one: give them all its url=), or choose another --port") \
+            from None
     print(f"serving reward {reward.name!r} (groupwise={reward.groupwise}) on "
           f"http://{args.host}:{server.server_address[1]}", flush=True)
     try:

@@ -38,6 +38,19 @@ def test_missing_dataset(tmp_path):
         load_prompts(tmp_path / "nope", "train")
     with pytest.raises(UserError, match="neither train.jsonl nor train.txt"):
         load_prompts(tmp_path, "train")
+    (tmp_path / "train.txt").write_text("a cat\n")
+    with pytest.raises(UserError) as info:
+        load_prompts(tmp_path / "train.txt", "train")
+    assert str(info.value) == (f"--dataset {str(tmp_path / 'train.txt')!r} is a file, not a folder: give the folder "
+                               f"that holds train.jsonl or train.txt")
+
+
+def test_a_utf8_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path):
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "train.txt").write_bytes(bom + "a cat\r\nune tête\r\n".encode())
+    (tmp_path / "test.jsonl").write_bytes(bom + b'{"prompt": "a dog"}\n{"prompt": "a fox"}\n')
+    assert [p.prompt for p in load_prompts(tmp_path, "train")] == ["a cat", "une tête"]
+    assert [p.prompt for p in load_prompts(tmp_path, "test")] == ["a dog", "a fox"]
 
 
 def test_group_key_depends_on_texts_not_position():

@@ -1,0 +1,77 @@
+"""Held-out evaluation, one code path for the scripts (`common.setup.evaluate`: before the first update and every
+--eval-every epochs) and for evaluate.py (any model or run's checkpoint, after the fact): the same prompts, seeds,
+batches and ODE give the same numbers."""
+
+from pathlib import Path
+
+import torch
+from accelerate.utils import gather_object
+
+from common.sampling import sample, sample_generators
+from common.scoring import condition_tensors, score_samples
+from common.tracking import log_image, save_image_grid
+
+
+def evaluate_prompts(adapter, accelerator, encode, rewards: list, prompts: list, seeds_per_prompt: int,
+                     num_steps: int, batch_size: int, guidance: float, grid: Path | None = None,
+                     step: int = 0) -> dict:
+    """Euler-ODE samples of `prompts` × `seeds_per_prompt` fixed seeds with the adapter's transformer as it is now,
+    split over the processes in batches of `batch_size`: each pointwise reward's mean (`eval_reward_<name>`, and
+    their weighted sum `eval_reward_mean`), each check of a reward that reports checks (`score.checks(images,
+    prompts[, conditions])`: `eval_<reward>_<check>`), each with its standard error (`_se`: the sample standard
+    deviation over prompts × seeds / √n). With `grid`, the main process writes a captioned grid of each prompt's
+    samples (the first 8 seeds; conditioned prompts: their condition image first) and sends it to the trackers at
+    `step`."""
+    items = [(i, s) for i in range(len(prompts)) for s in range(seeds_per_prompt)]
+    sigmas = adapter.sigmas(num_steps)
+    pointwise = [r for r in rewards if not r.groupwise]
+    results = []
+    with accelerator.split_between_processes(list(range(len(items)))) as mine:
+        for start in range(0, len(mine), batch_size):
+            batch = [items[k] for k in mine[start:start + batch_size]]
+            cond = encode([prompts[i] for i, _ in batch])
+            seeds = [i + 1_000_003 * s for i, s in batch]  # prompt i's first seed is i, as in earlier versions
+            velocity = lambda x, sigma, cond=cond: adapter.velocity(x, sigma, cond, guidance)  # noqa: E731
+            x0 = sample(velocity, adapter.noise(sample_generators(seeds, accelerator.device)), sigmas, "ode")
+            images = adapter.decode(x0)
+            texts = [prompts[i].prompt for i, _ in batch]
+            conditions = [prompts[i].images for i, _ in batch]
+            raw = score_samples(pointwise, images, texts, torch.tensor([prompts[i].key for i, _ in batch]),
+                                conditions=conditions)
+            checks = {f"{r.name}_{name}": values for r in pointwise if hasattr(r.score, "checks")
+                      for name, values in r.score.checks(images, texts, *(
+                          [condition_tensors(conditions)] if r.wants_conditions else [])).items()}
+            for row, (i, s) in enumerate(batch):
+                results.append(((i, s), raw[row].tolist(), {k: float(v[row]) for k, v in checks.items()},
+                                images[row].cpu() if grid is not None and s < 8 else None))
+    results = sorted(gather_object(results), key=lambda item: item[0])
+    raw = torch.tensor([r[1] for r in results], dtype=torch.float64)
+    weights = torch.tensor([r.weight for r in pointwise], dtype=torch.float64)
+    columns = {"reward_mean": raw @ weights, **{f"reward_{r.name}": raw[:, k] for k, r in enumerate(pointwise)},
+               **{key: torch.tensor([r[2][key] for r in results], dtype=torch.float64) for key in results[0][2]}}
+    out = {}
+    for key, values in columns.items():
+        out[f"eval_{key}"] = float(values.mean())
+        out[f"eval_{key}_se"] = float(values.std() / len(values) ** 0.5) if len(values) > 1 else 0.0
+    if grid is not None and accelerator.is_main_process:
+        shown = min(seeds_per_prompt, 8)
+        samples = torch.stack([r[3] for r in results if r[3] is not None])
+        if any(p.images for p in prompts):  # edits and image-to-video: each row starts with its condition image
+            samples, shown = _with_conditions(samples, prompts, shown), shown + 1
+        picture = save_image_grid(samples, grid, columns=shown, captions=[p.prompt for p in prompts])
+        log_image(accelerator, "eval/samples", picture, step)
+    return out
+
+
+def _with_conditions(samples: torch.Tensor, prompts: list, per_row: int) -> torch.Tensor:
+    """The evaluation grid's cells with each prompt's (first) condition image before its samples, resized to them
+    (videos: repeated over the frames)."""
+    cells = []
+    for row, prompt in enumerate(prompts):
+        (condition,) = condition_tensors([prompt.images[:1]])[0]
+        condition = torch.nn.functional.interpolate(condition[None], size=samples.shape[-2:], mode="bilinear",
+                                                    antialias=True)[0].clamp(0, 1)
+        if samples.ndim == 5:
+            condition = condition.expand(samples.shape[1], *condition.shape)
+        cells += [condition, *samples[row * per_row:(row + 1) * per_row]]
+    return torch.stack(cells)

@@ -1,0 +1,205 @@
+# Score models on a dataset's test split: an untrained model given by flags, the model a run started from (--base),
+# and runs' newest checkpoints (LoRA or full fine-tune; the EMA weights for a run trained with --ema), each with the
+# run's own saved settings. It is the evaluation the training scripts log (common.evaluation): the same prompts,
+# seeds, batches and Euler ODE give the same numbers, so `--run RUN_DIR` reproduces the run's last logged
+# evaluation and `--run RUN_DIR --base` its evaluation before the first update (on one process; a run evaluated on
+# several processes batches differently and agrees to float rounding).
+#   python evaluate.py --model flux1 --model-path toy --dataset data/toy --reward toy --eval-num-prompts 36 \
+#       --eval-seeds 4 --eval-num-steps 8
+#   python evaluate.py --run runs/nft-1 runs/grpo-1 --base --output compare.json
+import json
+import os
+from argparse import Namespace
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal
+
+import torch
+import tyro
+from accelerate import Accelerator
+
+from common.cache import PromptEncoder, cache_texts, condition_inputs, find_cache
+from common.checkpoint import load_full_state_into, load_lora_state_into, newest_complete_checkpoint
+from common.cli import CONDITIONED_MODELS, TrainArgs
+from common.data import DEFAULT_DATASET, check_conditions, load_prompts
+from common.evaluation import evaluate_prompts
+from common.models import ADAPTERS, load_adapter, resolve_model_path
+from common.setup import RUN_ARGS_FILE
+from common.tracking import format_metrics
+from common.training import EMA, add_lora, trainable_parameters
+from common.utils import UserError, install_user_error_hook, quiet_libraries, resolve_dtype
+from rewards import load_run_rewards
+
+MODELS = Literal["flux1", "sd3", "qwen-image", "wan", "flux1-kontext", "qwen-image-edit", "wan-i2v"]
+
+
+@dataclass
+class Args:
+    run: list[str] = field(default_factory=list)
+    """run folders (--output-dir of a training script): each is scored at its newest complete checkpoint, with the
+    settings it was trained with; flags below given explicitly override the evaluation settings of every run"""
+    base: bool = False
+    """with --run: also score the model the first run started from (its evaluation before the first update)"""
+    output: str | None = None
+    """write a JSON list with one object per scored model: `name`, `epoch` (-1: untrained) and the eval keys of
+    metrics.jsonl"""
+    grid_dir: str = "runs/evaluate"
+    """folder for each scored model's captioned sample grid"""
+    # The model, data and evaluation; unset ones come from the run (with --run) or take the training defaults.
+    model: MODELS | None = None
+    """model family (without --run: flux1)"""
+    model_path: str | None = None
+    """hub id or local folder of the pipeline; `tiny` / `toy` for the offline ones"""
+    dataset: str | None = None
+    """folder with the test split (without --run: the default prompt set)"""
+    reward: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
+    """a reward as NAME[:WEIGHT][,KEY=VALUE...]; repeat for several (without --run and none given: jpeg_compressibility)"""
+    resolution: int | None = None
+    max_sequence_length: int | None = None
+    num_frames: int | None = None
+    condition_size: int | None = None
+    guidance_scale: float | None = None
+    """FLUX.1's guidance embedding or the true-CFG scale (unset: the run's, else the model's reference value)"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    eval_num_prompts: int | None = None
+    """the first N test prompts"""
+    eval_seeds: int | None = None
+    """samples per prompt, at the training scripts' fixed seeds"""
+    eval_num_steps: int | None = None
+    """Euler ODE steps"""
+    batch_size: int | None = None
+    """samples per forward pass (the run's own --batch-size reproduces its numbers exactly)"""
+    cache_dir: str | None = None
+    """embedding cache root (unset: the default root, when it holds a match)"""
+    reward_device: Literal["accelerator", "cpu"] = "accelerator"
+
+
+EVAL_FLAGS = ("eval_num_prompts", "eval_seeds", "eval_num_steps", "batch_size", "reward", "dataset",
+              "guidance_scale")
+
+
+def check(args: Args) -> None:
+    for name in ("eval_num_prompts", "eval_seeds", "eval_num_steps", "batch_size", "resolution"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.base and not args.run:
+        raise UserError("--base scores the model a --run started from: give --run (without it the model given by "
+                        "the flags is scored untrained anyway)")
+
+
+def run_settings(folder: Path) -> dict:
+    path = folder / RUN_ARGS_FILE
+    if not path.exists():
+        raise UserError(f"--run {folder}: no {RUN_ARGS_FILE} (not a run folder, or a run from before runs saved "
+                        f"their settings)")
+    return json.loads(path.read_text())
+
+
+def settings(args: Args, saved: dict | None) -> Namespace:
+    """The run's settings (or the training defaults), with the flags given here on top."""
+    values = dict(saved) if saved is not None else {k: v for k, v in asdict(TrainArgs()).items()}
+    if saved is None:
+        values["guidance"] = None
+    for name, value in asdict(args).items():
+        given = value not in (None, [])
+        if name in values and given and (saved is None or name in EVAL_FLAGS or name == "reward_device"):
+            values[name] = value
+    values["eval_num_steps"] = values["eval_num_steps"] or values["num_steps"]  # unset: the rollout's steps
+    values["dataset"] = values["dataset"] or DEFAULT_DATASET
+    return Namespace(**values)
+
+
+def load_model(s: Namespace, accelerator):
+    """The adapter and prompt encoder for settings `s` (the untrained transformer)."""
+    test = load_prompts(s.dataset, "test")[: s.eval_num_prompts]
+    check_conditions(test, *ADAPTERS[s.model].condition_images, s.model)
+    dtype = resolve_dtype(s.dtype, accelerator.device)
+    model_path = resolve_model_path(s.model, s.model_path)
+    cache = find_cache(s.model, model_path, s.max_sequence_length, dtype,
+                       cache_texts([], test, ADAPTERS[s.model].true_cfg), s.cache_dir, not s.cache,
+                       condition_inputs(s.model, s.resolution, s.condition_size, s.num_frames))
+    adapter = load_adapter(s.model, model_path, accelerator.device, dtype, s.resolution, s.max_sequence_length,
+                           load_text_encoders=cache is None, num_frames=s.num_frames,
+                           condition_size=s.condition_size)
+    adapter.check_condition_shapes(test)
+    adapter.transformer.to(accelerator.device)
+    return adapter, PromptEncoder(adapter, cache), test
+
+
+def score(name: str, epoch: int, s: Namespace, adapter, encode, test, accelerator, grid_dir: Path, ema=None) -> dict:
+    guidance = s.guidance_scale if s.guidance_scale is not None else (
+        s.guidance if s.guidance is not None else adapter.default_guidance_scale)
+    adapter.transformer.eval()
+    with ema.applied() if ema is not None else nullcontext(), torch.no_grad():
+        metrics = evaluate_prompts(adapter, accelerator, encode, load_run_rewards(s), test, s.eval_seeds,
+                                   s.eval_num_steps, s.batch_size, guidance, grid_dir / f"{name}.png")
+    return {"name": name, "epoch": epoch, **metrics}
+
+
+def trained(folder: Path, s: Namespace, adapter, accelerator):
+    """Put the run's newest complete checkpoint into the adapter's transformer; its epoch and the EMA (or None)."""
+    checkpoint, skipped = newest_complete_checkpoint(folder, s.full_finetune, accelerator.process_index)
+    if checkpoint is None:
+        raise UserError(f"--run {folder}: no complete checkpoint" + (f" ({'; '.join(skipped)})" if skipped else ""))
+    transformer = adapter.transformer
+    if s.full_finetune:
+        load_full_state_into(transformer, checkpoint.weights)
+        params = [p for p in transformer.parameters()]
+    else:
+        add_lora(transformer, s.lora_rank, s.lora_alpha, adapter.lora_target_modules)
+        params = trainable_parameters(transformer)  # float32, as trained
+        load_lora_state_into(transformer, checkpoint.weights, str(checkpoint.folder))
+    ema = None
+    if s.ema:
+        ema = EMA(params, s.ema_decay, module=transformer)
+        ema.load_state_dict(checkpoint.states["ema"])
+    return checkpoint.meta["epoch"], ema
+
+
+def table(results: list[dict]) -> str:
+    """One row per eval mean: its value ± standard error for each scored model."""
+    keys = [k for k in results[0] if k.startswith("eval_") and not k.endswith("_se")]
+    lines = ["| metric | " + " | ".join(r["name"] for r in results) + " |",
+             "|---|" + "---|" * len(results)]
+    for key in keys:
+        cells = [f"{r[key]:.4f} ± {r[key + '_se']:.4f}" if key in r else "–" for r in results]
+        lines.append(f"| {key[5:]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    install_user_error_hook()
+    quiet_libraries()
+    args = tyro.cli(Args, description="Score models and runs on a dataset's test split (the training scripts' "
+                                      "evaluation; see the header of evaluate.py).")
+    check(args)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    grid_dir = Path(args.grid_dir)
+    jobs = [(Path(folder), run_settings(Path(folder))) for folder in args.run] or [(None, None)]
+    results = []
+    for k, (folder, saved) in enumerate(jobs):
+        s = settings(args, saved)
+        if s.model in CONDITIONED_MODELS and s.condition_size is None and saved is None:
+            accelerator.print(f"note: {s.model} resizes condition images as its pipeline does (--condition-size unset)")
+        if folder is None or (args.base and k == 0):
+            adapter, encode, test = load_model(s, accelerator)
+            name = "base" if folder is None else f"{folder.name}-base"
+            results.append(score(name, -1, s, adapter, encode, test, accelerator, grid_dir))
+        if folder is not None:
+            adapter, encode, test = load_model(s, accelerator)
+            epoch, ema = trained(folder, s, adapter, accelerator)
+            results.append(score(folder.name, epoch, s, adapter, encode, test, accelerator, grid_dir, ema))
+        accelerator.print(format_metrics(results[-1], ["name", "epoch", "eval_reward_mean"]))
+    if accelerator.is_main_process:
+        print(table(results))
+        print(f"grids: {grid_dir}")
+        if args.output:
+            tmp = Path(args.output + ".tmp")
+            tmp.write_text(json.dumps(results, indent=1) + "\n")
+            os.replace(tmp, args.output)
+
+
+if __name__ == "__main__":
+    main()

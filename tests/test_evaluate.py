@@ -1,0 +1,59 @@
+"""evaluate.py: the training scripts' evaluation after the fact. A run folder supplies its settings; the numbers
+equal the run's own logged evaluations to the last digit (the untrained model's with --base, the last one at the
+newest checkpoint), for a LoRA, a LoRA with its EMA, and a full fine-tune; a model given by flags equals a run's
+base; bad input is one line."""
+
+import json
+
+import pytest
+
+from conftest import read_metrics, run_script, script_error
+
+TINY = ["--preset", "tiny", "--epochs", "2", "--eval-every", "1", "--save-every", "1", "--eval-num-prompts", "3",
+        "--eval-seeds", "2"]
+
+
+def eval_keys(line: dict) -> dict:
+    return {k: v for k, v in line.items() if k.startswith("eval_")}
+
+
+@pytest.mark.parametrize("variant", ["lora", "ema", "full"])
+def test_a_run_folder_reproduces_its_logged_evaluations(tmp_path, tiny_flux_path, variant):
+    out = tmp_path / "run"
+    extra = {"lora": [], "ema": ["--ema"], "full": ["--full-finetune", "--learning-rate", "1e-3"]}[variant]
+    run_script("algos/nft.py", *TINY, *extra, "--output-dir", out)
+    lines = read_metrics(out, base=True)
+    result = tmp_path / "eval.json"
+    run_script("evaluate.py", "--run", out, "--base", "--output", result, "--grid-dir", tmp_path / "grids")
+    base, last = json.loads(result.read_text())
+    assert (base["name"], base["epoch"], last["name"], last["epoch"]) == ("run-base", -1, "run", 1)
+    assert eval_keys(base) == eval_keys(lines[0]) and lines[0]["epoch"] == -1
+    assert eval_keys(last) == eval_keys(lines[-1]) and lines[-1]["epoch"] == 1
+    assert eval_keys(base) != eval_keys(last)  # two epochs of training changed the samples
+    assert (tmp_path / "grids" / "run.png").exists() and (tmp_path / "grids" / "run-base.png").exists()
+
+
+def test_a_model_given_by_flags_and_several_runs(tmp_path, tiny_flux_path):
+    runs = [tmp_path / "one", tmp_path / "two"]
+    for seed, out in enumerate(runs, start=1):
+        run_script("algos/grpo.py", *TINY, "--seed", str(seed), "--output-dir", out)
+    result = tmp_path / "eval.json"
+    printed = run_script("evaluate.py", "--model", "flux1", "--model-path", "tiny", "--resolution", "64",
+                         "--max-sequence-length", "32", "--eval-num-prompts", "3", "--eval-seeds", "2",
+                         "--eval-num-steps", "8", "--batch-size", "8", "--output", result, "--grid-dir",
+                         tmp_path / "grids").stdout
+    (base,) = json.loads(result.read_text())
+    # grpo's tiny preset: 8 steps, batch 8, the JPEG reward, the model's own guidance
+    assert eval_keys(base) == eval_keys(read_metrics(runs[0], base=True)[0])
+    assert "| reward_mean | " in printed and " ± " in printed
+
+    run_script("evaluate.py", "--run", *runs, "--output", result, "--grid-dir", tmp_path / "grids")
+    scored = json.loads(result.read_text())
+    assert [r["name"] for r in scored] == ["one", "two"]
+    for r, out in zip(scored, runs):
+        assert eval_keys(r) == eval_keys(read_metrics(out)[-1])
+
+
+def test_bad_input_is_one_line(tmp_path):
+    assert "no run_args.json" in script_error("evaluate.py", "--run", tmp_path)
+    assert "--eval-seeds must be at least 1" in script_error("evaluate.py", "--model-path", "tiny", "--eval-seeds", "0")
