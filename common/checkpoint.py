@@ -5,13 +5,15 @@ OUTPUT_DIR/checkpoints/epoch_NNNNNN/ holds the weights in a format diffusers loa
 (optimizer, learning-rate schedule, EMA, frozen policies; loaded with weights_only=True), each process's RNG state
 and `meta.json` (the epoch, the flags that define the run, script state such as MixGRPO's window). A checkpoint is
 written to a temporary folder and renamed into place, and `latest` names the newest one, so a run killed at any
-moment leaves the previous checkpoint intact.
+moment leaves the previous checkpoint intact. meta.json, written last, records the sha256 of every other file.
 
 Resume does not trust `latest`: it loads the newest checkpoint folder that loads completely (meta, weights,
-training state), says which newer ones it skipped and why, and refuses, rather than start from scratch, when a
-checkpoint was written in the folder but none loads completely (common.setup._find_resume).
+training state, every file matching its sha256, finite weights), says which newer ones it skipped and why, and
+refuses, rather than start from scratch, when a checkpoint was written in the folder but none loads completely
+(common.setup._find_resume). Checkpoints from before the hashes (no "sha256" in meta.json) load unchecked.
 """
 
+import hashlib
 import json
 import os
 import shutil
@@ -32,6 +34,11 @@ def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()  # streamed in chunks, never the whole file in memory
 
 
 def _rng_state() -> dict:
@@ -61,9 +68,12 @@ def save_checkpoint(accelerator, output_dir: str | Path, epoch: int, write_weigh
             else:
                 write_weights(tmp, state)
             torch.save(states, tmp / "training_state.pt")
-            (tmp / "meta.json").write_text(json.dumps({"epoch": epoch, **meta}, indent=1))
         accelerator.wait_for_everyone()
         torch.save(_rng_state(), tmp / f"rng_{accelerator.process_index}.pt")
+        accelerator.wait_for_everyone()  # every rank's rng file is complete before it is hashed
+        if accelerator.is_main_process:
+            hashes = {p.relative_to(tmp).as_posix(): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+            (tmp / "meta.json").write_text(json.dumps({"epoch": epoch, **meta, "sha256": hashes}, indent=1))
     except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
@@ -117,20 +127,35 @@ def read_checkpoint(folder: Path, full_finetune: bool, process_index: int) -> Ch
         except Exception:  # truncated or corrupt files raise many kinds of errors
             raise CheckpointError(f"{what} does not load") from None
 
+    def finite(what, tensors):
+        if not all(torch.isfinite(t).all() for t in tensors.values()):
+            raise CheckpointError(f"{what} holds non-finite weights")
+        return tensors
+
     meta = read("meta.json", lambda: json.loads((folder / "meta.json").read_text()))
     if not isinstance(meta, dict) or "epoch" not in meta:
         raise CheckpointError("meta.json has no epoch")
+    if not isinstance(meta["epoch"], int) or folder.name != f"epoch_{meta['epoch']:06d}":
+        raise CheckpointError(f"meta.json says epoch {meta['epoch']!r} but the folder is {folder.name}")
     if bool(meta.get("full_finetune", False)) != full_finetune:
         raise CheckpointError(f"it holds {'full' if meta.get('full_finetune') else 'LoRA'} weights")
+    hashes = meta.get("sha256", {})  # absent in checkpoints written before the hashes: nothing to check
+    if not isinstance(hashes, dict):
+        raise CheckpointError("meta.json's sha256 is not a mapping of files to hashes")
+    # Every process checks every file (not only its own rng file), so all processes skip the same checkpoints.
+    for name, digest in sorted(hashes.items()):
+        if read(name, lambda: _sha256(folder / name)) != digest:
+            raise CheckpointError(f"{name} does not match its sha256 in meta.json")
     if full_finetune:
         shards = sorted((folder / "transformer").glob("*.safetensors"))
         if not shards:
             raise CheckpointError("transformer/*.safetensors is missing")
         weights = {}
         for shard in shards:
-            weights.update(read(f"transformer/{shard.name}", lambda: load_file(shard)))
+            what = f"transformer/{shard.name}"
+            weights.update(finite(what, read(what, lambda: load_file(shard))))
     else:
-        weights = read(LORA_FILE, lambda: load_file(folder / LORA_FILE))
+        weights = finite(LORA_FILE, read(LORA_FILE, lambda: load_file(folder / LORA_FILE)))
     states = read("training_state.pt", lambda: torch.load(folder / "training_state.pt", map_location="cpu",
                                                            weights_only=True))
     rng_file = folder / f"rng_{process_index}.pt"

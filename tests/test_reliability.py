@@ -2,6 +2,7 @@
 non-finite numbers, and bad input. Each must end in one `error:` line and a non-zero exit, and never destroy or
 corrupt what is on disk."""
 
+import hashlib
 import http.server
 import json
 import os
@@ -68,8 +69,8 @@ def test_resume_does_not_trust_latest(run_copy, damage):
 
 @pytest.mark.parametrize("damage,why", [
     ("meta.json", "meta.json is missing"),
-    ("pytorch_lora_weights.safetensors", "pytorch_lora_weights.safetensors does not load"),
-    ("training_state.pt", "training_state.pt does not load"),
+    ("pytorch_lora_weights.safetensors", "pytorch_lora_weights.safetensors does not match its sha256 in meta.json"),
+    ("training_state.pt", "training_state.pt does not match its sha256 in meta.json"),
 ])
 def test_resume_skips_an_incomplete_newest_checkpoint_and_says_why(run_copy, damage, why):
     broken = run_copy / "checkpoints" / "epoch_000003" / damage
@@ -161,6 +162,11 @@ def test_the_readme_two_process_command_runs_the_tiny_preset(tmp_path):
     run_script("algos/grpo.py", "--preset", "tiny", "--epochs", "2", "--eval-every", "0", "--output-dir", tmp_path,
                launcher=ACCELERATE_2CPU)
     assert [m["num_processes"] for m in read_metrics(tmp_path)] == [2, 2]
+    # The main process hashed both processes' RNG files, each after its rank wrote it.
+    folder = tmp_path / "checkpoints" / "epoch_000001"
+    hashes = json.loads((folder / "meta.json").read_text())["sha256"]
+    for name in ("rng_0.pt", "rng_1.pt"):
+        assert hashes[name] == hashlib.sha256((folder / name).read_bytes()).hexdigest()
 
 
 # ---- 3. non-finite numbers stop the run ------------------------------------------------------------------------
