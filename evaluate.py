@@ -44,6 +44,9 @@ class Args:
     output: str | None = None
     """write a JSON list with one object per scored model: `name`, `epoch` (-1: untrained) and the eval keys of
     metrics.jsonl"""
+    best_of: bool = False
+    """also report each metric's best-of-N: the mean over prompts of the best of the --eval-seeds samples (for a
+    pass/fail check, the share of prompts some sample gets right: what sharpening alone could reach)"""
     grid_dir: str = "runs/evaluate"
     """folder for each scored model's captioned sample grid"""
     # The model, data and evaluation; unset ones come from the run (with --run) or take the training defaults.
@@ -128,13 +131,15 @@ def load_model(s: Namespace, accelerator):
     return adapter, PromptEncoder(adapter, cache), test
 
 
-def score(name: str, epoch: int, s: Namespace, adapter, encode, test, accelerator, grid_dir: Path, ema=None) -> dict:
+def score(name: str, epoch: int, s: Namespace, adapter, encode, test, accelerator, grid_dir: Path, ema=None,
+          best_of: bool = False) -> dict:
     guidance = s.guidance_scale if s.guidance_scale is not None else (
         s.guidance if s.guidance is not None else adapter.default_guidance_scale)
     adapter.transformer.eval()
     with ema.applied() if ema is not None else nullcontext(), torch.no_grad():
         metrics = evaluate_prompts(adapter, accelerator, encode, load_run_rewards(s), test, s.eval_seeds,
-                                   s.eval_num_steps, s.batch_size, guidance, grid_dir / f"{name}.png")
+                                   s.eval_num_steps, s.batch_size, guidance, grid_dir / f"{name}.png",
+                                   best_of=best_of)
     return {"name": name, "epoch": epoch, **metrics}
 
 
@@ -160,11 +165,13 @@ def trained(folder: Path, s: Namespace, adapter, accelerator):
 
 def table(results: list[dict]) -> str:
     """One row per eval mean: its value ± standard error for each scored model."""
-    keys = [k for k in results[0] if k.startswith("eval_") and not k.endswith("_se")]
+    keys = [k for k in results[0] if k.startswith("eval_") and not k.endswith("_se") and "_best_of_" not in k]
     lines = ["| metric | " + " | ".join(r["name"] for r in results) + " |",
              "|---|" + "---|" * len(results)]
     for key in keys:
-        cells = [f"{r[key]:.4f} ± {r[key + '_se']:.4f}" if key in r else "–" for r in results]
+        best = [next((v for k, v in r.items() if k.startswith(key + "_best_of_")), None) for r in results]
+        cells = [(f"{r[key]:.4f} ± {r[key + '_se']:.4f}" + (f" (best of N {b:.4f})" if b is not None else ""))
+                 if key in r else "–" for r, b in zip(results, best)]
         lines.append(f"| {key[5:]} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -186,11 +193,12 @@ def main() -> None:
         if folder is None or (args.base and k == 0):
             adapter, encode, test = load_model(s, accelerator)
             name = "base" if folder is None else f"{folder.name}-base"
-            results.append(score(name, -1, s, adapter, encode, test, accelerator, grid_dir))
+            results.append(score(name, -1, s, adapter, encode, test, accelerator, grid_dir, best_of=args.best_of))
         if folder is not None:
             adapter, encode, test = load_model(s, accelerator)
             epoch, ema = trained(folder, s, adapter, accelerator)
-            results.append(score(folder.name, epoch, s, adapter, encode, test, accelerator, grid_dir, ema))
+            results.append(score(folder.name, epoch, s, adapter, encode, test, accelerator, grid_dir, ema,
+                                 best_of=args.best_of))
         accelerator.print(format_metrics(results[-1], ["name", "epoch", "eval_reward_mean"]))
     if accelerator.is_main_process:
         print(table(results))

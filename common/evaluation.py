@@ -14,14 +14,15 @@ from common.tracking import log_image, save_image_grid
 
 def evaluate_prompts(adapter, accelerator, encode, rewards: list, prompts: list, seeds_per_prompt: int,
                      num_steps: int, batch_size: int, guidance: float, grid: Path | None = None,
-                     step: int = 0) -> dict:
+                     step: int = 0, best_of: bool = False) -> dict:
     """Euler-ODE samples of `prompts` × `seeds_per_prompt` fixed seeds with the adapter's transformer as it is now,
     split over the processes in batches of `batch_size`: each pointwise reward's mean (`eval_reward_<name>`, and
     their weighted sum `eval_reward_mean`), each check of a reward that reports checks (`score.checks(images,
     prompts[, conditions])`: `eval_<reward>_<check>`), each with its standard error (`_se`: the sample standard
     deviation over prompts × seeds / √n). With `grid`, the main process writes a captioned grid of each prompt's
     samples (the first 8 seeds; conditioned prompts: their condition image first) and sends it to the trackers at
-    `step`."""
+    `step`. With `best_of`, also `eval_<key>_best_of_<seeds>`: the mean over prompts of each prompt's best sample
+    (for a pass/fail check, the share of prompts that some seed gets right)."""
     items = [(i, s) for i in range(len(prompts)) for s in range(seeds_per_prompt)]
     sigmas = adapter.sigmas(num_steps)
     pointwise = [r for r in rewards if not r.groupwise]
@@ -53,6 +54,8 @@ def evaluate_prompts(adapter, accelerator, encode, rewards: list, prompts: list,
     for key, values in columns.items():
         out[f"eval_{key}"] = float(values.mean())
         out[f"eval_{key}_se"] = float(values.std() / len(values) ** 0.5) if len(values) > 1 else 0.0
+        if best_of:  # results are sorted prompt-major
+            out[f"eval_{key}_best_of_{seeds_per_prompt}"] = float(values.view(len(prompts), -1).amax(1).mean())
     if grid is not None and accelerator.is_main_process:
         shown = min(seeds_per_prompt, 8)
         samples = torch.stack([r[3] for r in results if r[3] is not None])

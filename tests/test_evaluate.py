@@ -47,6 +47,16 @@ def test_a_model_given_by_flags_and_several_runs(tmp_path, tiny_flux_path):
     assert eval_keys(base) == eval_keys(read_metrics(runs[0], base=True)[0])
     assert "| reward_mean | " in printed and " ± " in printed
 
+    # --best-of: each prompt's best sample, averaged over prompts; with one seed it is the mean itself
+    flags = ["--model-path", "tiny", "--resolution", "64", "--max-sequence-length", "32", "--eval-num-prompts", "3",
+             "--eval-num-steps", "2", "--best-of", "--output", result, "--grid-dir", tmp_path / "grids"]
+    run_script("evaluate.py", *flags, "--eval-seeds", "1")
+    (one,) = json.loads(result.read_text())
+    assert one["eval_reward_mean_best_of_1"] == pytest.approx(one["eval_reward_mean"], abs=1e-12)
+    run_script("evaluate.py", *flags, "--eval-seeds", "3")
+    (three,) = json.loads(result.read_text())
+    assert three["eval_reward_mean_best_of_3"] > three["eval_reward_mean"]
+
     run_script("evaluate.py", "--run", *runs, "--output", result, "--grid-dir", tmp_path / "grids")
     scored = json.loads(result.read_text())
     assert [r["name"] for r in scored] == ["one", "two"]
