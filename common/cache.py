@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from common.data import Prompt
 from common.models import ADAPTERS
-from common.utils import UserError
+from common.utils import UserError, disk_writes
 
 CACHE_VERSION = 2  # bump whenever the encoding code changes what it stores
 MANIFEST = "manifest.json"
@@ -268,35 +268,36 @@ def build_cache(accelerator, adapter, texts, root: str | Path, inputs: dict, sha
     texts = list(entries)
     folder = cache_folder(root, inputs)
     tmp = folder.with_name(f".{folder.name}.tmp")
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    chunks = [texts[i:i + shard_size] for i in range(0, len(texts), shard_size)]
-    mine = [k for k in range(len(chunks)) if k % accelerator.num_processes == accelerator.process_index]
-    records = []
-    bar = tqdm(total=sum(len(chunks[k]) for k in mine), desc="encoding prompts",
-               disable=not (progress and accelerator.is_main_process))
-    with adapter.text_encoders_on_device():
-        for k in mine:
-            rows = []
-            for text in chunks[k]:
-                rows.append({key: value.cpu() for key, value in adapter.encode_entry(*entries[text]).items()})
-                bar.update(1)
-            tensors = {key: torch.cat([r[key] for r in rows]).contiguous() for key in rows[0]}
-            file = f"shard_{k:05d}.safetensors"
-            save_file(tensors, str(tmp / file))
-            digests = [_row_digest({key: t[i:i + 1] for key, t in tensors.items()}) for i in range(len(rows))]
-            records.append({"shard": k, "file": file, "bytes": (tmp / file).stat().st_size, "keys": sorted(tensors),
-                            "texts": chunks[k], "digests": digests})
-    bar.close()
-    records = sorted(gather_object(records), key=lambda r: r["shard"])
-    if accelerator.is_main_process:
-        index = {text: [r["shard"], row, r["digests"][row]] for r in records for row, text in enumerate(r["texts"])}
-        manifest = {"fingerprint": fingerprint(inputs), "inputs": inputs, "keys": records[0]["keys"],
-                    "shards": [{"file": r["file"], "bytes": r["bytes"], "rows": len(r["texts"])} for r in records],
-                    "index": index}
-        (tmp / MANIFEST).write_text(json.dumps(manifest))
+    # A full disk stops the build with one line and removes the temporary folder; a finished cache stays as it was.
+    with disk_writes(tmp, "cannot build the embedding cache", then="free space and run it again", remove=[tmp]):
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        chunks = [texts[i:i + shard_size] for i in range(0, len(texts), shard_size)]
+        mine = [k for k in range(len(chunks)) if k % accelerator.num_processes == accelerator.process_index]
+        records = []
+        bar = tqdm(total=sum(len(chunks[k]) for k in mine), desc="encoding prompts",
+                   disable=not (progress and accelerator.is_main_process))
+        with bar, adapter.text_encoders_on_device():  # the bar is closed before an error line is printed
+            for k in mine:
+                rows = []
+                for text in chunks[k]:
+                    rows.append({key: value.cpu() for key, value in adapter.encode_entry(*entries[text]).items()})
+                    bar.update(1)
+                tensors = {key: torch.cat([r[key] for r in rows]).contiguous() for key in rows[0]}
+                file = f"shard_{k:05d}.safetensors"
+                save_file(tensors, str(tmp / file))
+                digests = [_row_digest({key: t[i:i + 1] for key, t in tensors.items()}) for i in range(len(rows))]
+                records.append({"shard": k, "file": file, "bytes": (tmp / file).stat().st_size, "keys": sorted(tensors),
+                                "texts": chunks[k], "digests": digests})
+        records = sorted(gather_object(records), key=lambda r: r["shard"])
+        if accelerator.is_main_process:
+            index = {text: [r["shard"], row, r["digests"][row]] for r in records for row, text in enumerate(r["texts"])}
+            manifest = {"fingerprint": fingerprint(inputs), "inputs": inputs, "keys": records[0]["keys"],
+                        "shards": [{"file": r["file"], "bytes": r["bytes"], "rows": len(r["texts"])} for r in records],
+                        "index": index}
+            (tmp / MANIFEST).write_text(json.dumps(manifest))
         if folder.exists():  # same fingerprint rebuilt: swap, never leave a half state
             stale = folder.with_name(f".{folder.name}.old")
             shutil.rmtree(stale, ignore_errors=True)

@@ -25,15 +25,16 @@ from safetensors.torch import load_file
 
 from common.distributed import (full_state_loading, is_sharded, load_lora_state_dict, load_master_weights,
                                 lora_parameter_names, model_state_dict)
-from common.utils import RunStopped
+from common.utils import RunStopped, disk_writes, write_text_atomic
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
+# What a failed write can leave in OUTPUT_DIR (checkpoint folders aside), removed by the next start.
+STALE_FILES = ("metrics.jsonl.tmp", "run_args.json.tmp", "eval/*.tmp.png", "checkpoints/latest.tmp")
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def _torch_save(obj, path: Path) -> None:
+    with open(path, "wb") as handle:  # a file object: a full disk then surfaces as ENOSPC (common.utils._disk_full)
+        torch.save(obj, handle)
 
 
 def _sha256(path: Path) -> str:
@@ -53,29 +54,29 @@ def save_checkpoint(accelerator, output_dir: str | Path, epoch: int, write_weigh
     """write_weights(folder) writes the model weights (called on the main process only). `states` maps
     names to state dicts saved in training_state.pt. All processes must call this. With `model`, its full
     state dict is gathered on every process first (FSDP2 shards: a collective) and passed on as
-    write_weights(folder, state). A failed write (a full disk) stops the run with one line and leaves the
-    previous checkpoints as they were."""
+    write_weights(folder, state). A failed write (a full disk) stops the run with one line, removes the temporary
+    folder and leaves the previous checkpoints as they were."""
     root = Path(output_dir) / "checkpoints"
     final = root / f"epoch_{epoch:06d}"
     tmp = root / f".epoch_{epoch:06d}.tmp"
     state = model_state_dict(model) if model is not None else None
     try:
-        if accelerator.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            if model is None:
-                write_weights(tmp)
-            else:
-                write_weights(tmp, state)
-            torch.save(states, tmp / "training_state.pt")
-        accelerator.wait_for_everyone()
-        torch.save(_rng_state(), tmp / f"rng_{accelerator.process_index}.pt")
-        accelerator.wait_for_everyone()  # every rank's rng file is complete before it is hashed
-        if accelerator.is_main_process:
-            hashes = {p.relative_to(tmp).as_posix(): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
-            (tmp / "meta.json").write_text(json.dumps({"epoch": epoch, **meta, "sha256": hashes}, indent=1))
-    except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
-        shutil.rmtree(tmp, ignore_errors=True)
+        with disk_writes(tmp, f"cannot write the checkpoint of epoch {epoch}", remove=[tmp]):
+            if accelerator.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+                if model is None:
+                    write_weights(tmp)
+                else:
+                    write_weights(tmp, state)
+                _torch_save(states, tmp / "training_state.pt")
+            accelerator.wait_for_everyone()
+            _torch_save(_rng_state(), tmp / f"rng_{accelerator.process_index}.pt")
+            accelerator.wait_for_everyone()  # every rank's rng file is complete before it is hashed
+            if accelerator.is_main_process:
+                hashes = {p.relative_to(tmp).as_posix(): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+                (tmp / "meta.json").write_text(json.dumps({"epoch": epoch, **meta, "sha256": hashes}, indent=1))
+    except (OSError, RuntimeError) as err:  # not a full disk (permissions, ...): one line all the same
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise RunStopped(f"cannot write the checkpoint of epoch {epoch} under {root}: {reason}; the previous "
                          f"checkpoints are intact") from None
@@ -88,7 +89,7 @@ def save_checkpoint(accelerator, output_dir: str | Path, epoch: int, write_weigh
             shutil.rmtree(stale)
         else:
             os.replace(tmp, final)
-        _write_text_atomic(root / "latest", final.name)
+        write_text_atomic(root / "latest", final.name)
         for old in sorted(root.glob("epoch_*"))[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
@@ -96,9 +97,11 @@ def save_checkpoint(accelerator, output_dir: str | Path, epoch: int, write_weigh
 
 
 def clean_stale_writes(output_dir: str | Path) -> list[str]:
-    """Remove the temporary folders a failed or killed checkpoint write left behind; returns their names."""
-    root = Path(output_dir) / "checkpoints"
-    stale = sorted([*root.glob(".epoch_*.tmp"), *root.glob(".epoch_*.old"), *root.glob("latest.tmp")])
+    """Remove what a failed or killed write left behind (temporary checkpoint folders, *.tmp files of the
+    metrics, run_args.json and eval grids); returns their names."""
+    output_dir = Path(output_dir)
+    stale = sorted([*output_dir.glob("checkpoints/.epoch_*.tmp"), *output_dir.glob("checkpoints/.epoch_*.old"),
+                    *(path for pattern in STALE_FILES for path in output_dir.glob(pattern))])
     for path in stale:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     return [p.name for p in stale]

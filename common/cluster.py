@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from common.utils import UserError
+from common.utils import UserError, disk_writes
 
 LOCK_FILE = ".lock"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -49,7 +49,8 @@ def lock_output_dir(output_dir: Path) -> None:
         print(f"warning: cannot lock {path} ({err.strerror}): a second run on {output_dir} would not be refused")
         return
     os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+    with disk_writes(path):  # on a full disk, the first write of a run
+        os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
     # Emptied, not removed, at exit: a removed file would let two runs lock two different files of one name.
     # The descriptor stays open (and the lock held) until the process ends.
     atexit.register(os.ftruncate, fd, 0)

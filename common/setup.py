@@ -30,7 +30,7 @@ from common.scoring import score_samples
 from common.shadow import ReferencePolicy, ShadowPolicy
 from common.tracking import MetricsLog, check_finite, format_metrics
 from common.training import EMA, add_lora, lr_scheduler, trainable_parameters
-from common.utils import RunStopped, UserError, peak_memory_gb, resolve_dtype
+from common.utils import RunStopped, UserError, peak_memory_gb, resolve_dtype, write_text_atomic
 
 
 RUN_ARGS_FILE = "run_args.json"  # the flags of the run's last start (evaluate.py reads them)
@@ -101,12 +101,12 @@ def _claim_output_dir(accelerator: Accelerator, output_dir: Path) -> None:
         try:
             _check_output_dir(output_dir)
             lock_output_dir(output_dir)
-        except UserError as err:
-            refusal = str(err)
+        except UserError as err:  # RunStopped too (a full disk under the lock file): its exit status is kept
+            refusal = err
     if accelerator.num_processes > 1:
         refusal = broadcast_object_list([refusal])[0]
     if refusal is not None:
-        raise UserError(refusal)
+        raise refusal
     if not accelerator.is_main_process:
         _check_output_dir(output_dir)  # another machine may see another folder
 
@@ -252,9 +252,8 @@ def _save_run_args(output_dir: Path, args, guidance: float) -> None:
     """Every flag of this start (and the guidance it resolved to), for evaluate.py to score the run as it was
     evaluated; rewritten on each start, so it holds a resumed run's last flags."""
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()}
-    tmp = output_dir / (RUN_ARGS_FILE + ".tmp")
-    tmp.write_text(json.dumps({**settings, "guidance": guidance}, indent=1, default=str) + "\n")
-    os.replace(tmp, output_dir / RUN_ARGS_FILE)
+    write_text_atomic(output_dir / RUN_ARGS_FILE, json.dumps({**settings, "guidance": guidance}, indent=1,
+                                                             default=str) + "\n")
 
 
 def _restore(run: Run, checkpoint) -> None:

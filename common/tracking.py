@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from common.utils import RunStopped
+from common.utils import RunStopped, disk_writes, write_text_atomic
 
 # Logged quantities that must be finite: a run stops at the first epoch where one is not.
 MUST_BE_FINITE = ("reward_mean", "loss", "policy_loss", "kl", "grad_norm")
@@ -39,14 +39,18 @@ class MetricsLog:
         if not self.accelerator.is_main_process or not self.path.exists():
             return
         kept = [r for r in self.read() if r.get("epoch", -1) <= epoch]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, self.path)
+        write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def log(self, metrics: dict) -> None:
         if self.accelerator.is_main_process:
-            with self.path.open("a") as handle:
-                handle.write(json.dumps(metrics) + "\n")
+            size = self.path.stat().st_size if self.path.exists() else 0
+            try:
+                with disk_writes(self.path), self.path.open("a") as handle:
+                    handle.write(json.dumps(metrics) + "\n")
+            except RunStopped:
+                if self.path.exists():  # a full disk cut the line: the file keeps only whole lines
+                    os.truncate(self.path, size)
+                raise
         if self.accelerator.trackers:
             self.accelerator.log({k: v for k, v in metrics.items() if k != "epoch"}, step=max(metrics["epoch"], 0))
 
@@ -99,10 +103,11 @@ def save_image_grid(images: torch.Tensor, path: str | Path, columns: int | None 
                     captions: list[str] | None = None) -> Image.Image:
     """Write `image_grid(...)` as a PNG, atomically; returns the picture."""
     grid = image_grid(images, captions, columns)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(path).with_name(Path(path).name + ".tmp.png")
-    grid.save(tmp)
-    os.replace(tmp, path)
+    with disk_writes(path, remove=[tmp]):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        grid.save(tmp)
+        os.replace(tmp, path)
     return grid
 
 

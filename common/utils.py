@@ -1,7 +1,11 @@
 """Small helpers every script needs: one-line errors, dtype choice, quiet libraries."""
 
+import errno
 import os
+import shutil
 import sys
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -16,6 +20,50 @@ class RunStopped(UserError):
     """A run that cannot go on (a non-finite loss, a full disk): one line, exit status 3."""
 
     exit_code = 3
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+RERUN = "free space and rerun with --resume (the previous checkpoints are intact)"
+
+
+def _disk_full(err: BaseException | None) -> str | None:
+    """strerror when `err`, or an error it arose from, is a full disk or quota. Libraries wrap the OSError:
+    torch.save into a file object raises a RuntimeError with it as __context__, safetensors says "(os error 28)"
+    in its message; torch.save to a path gives only "unexpected pos", so the writes here hand it a file object."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in DISK_FULL:
+            return os.strerror(err.errno)
+        for code in DISK_FULL:
+            if f"(os error {code})" in str(err) or os.strerror(code) in str(err):
+                return os.strerror(code)
+        err = err.__cause__ or err.__context__
+    return None
+
+
+@contextmanager
+def disk_writes(path: str | Path, doing: str | None = None, then: str = RERUN, remove=()):
+    """Writes of `path` (a file or folder) in the block: a full disk (ENOSPC, EDQUOT) stops the run with one line
+    instead of a traceback. On any failure the partial files or folders in `remove` are deleted first (which also
+    gives the space back). `doing` prefixes the line; `then` says what to do next."""
+    try:
+        yield
+    except Exception as err:
+        for leftover in map(Path, remove):
+            shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
+        reason = _disk_full(err)
+        if reason is None:
+            raise
+        path = Path(path)
+        raise RunStopped(f"{doing + ': ' if doing else ''}the disk under {path.parent} is full (writing {path.name}: "
+                         f"{reason}): {then}") from None
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` through PATH.tmp and a rename, so a reader sees the old or the new file, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with disk_writes(path, remove=[tmp]):
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
 
 def _first_report(message: str) -> bool:

@@ -194,7 +194,7 @@ def test_a_full_disk_while_saving_stops_with_one_line_and_keeps_the_last_checkpo
     before = snapshot(out / "checkpoints" / "epoch_000003")
     wrapper = ("import runpy, sys, torch; save = torch.save\n"
                "def full(obj, f, *a, **k):\n"
-               "    if str(f).endswith('training_state.pt'):\n"
+               "    if str(getattr(f, 'name', f)).endswith('training_state.pt'):  # a path or a file object\n"
                "        raise RuntimeError('[enforce fail at inline_container.cc:664] . unexpected pos 128 vs 64: "
                "No space left on device')\n"
                "    return save(obj, f, *a, **k)\n"
