@@ -196,7 +196,14 @@ def open_cache(root: str | Path | None, inputs: dict, explicit: bool) -> Embeddi
     root = Path(root) if root is not None else default_cache_root()
     folder = cache_folder(root, inputs)
     if (folder / MANIFEST).exists():
-        return EmbeddingCache(folder)
+        cache = EmbeddingCache(folder)
+        # The folder name is a short hash: the manifest itself must say it was built from these inputs.
+        if cache.manifest.get("fingerprint") != fingerprint(inputs):
+            saved = cache.manifest.get("inputs") or {}
+            differ = sorted(k for k in inputs if json.dumps(saved.get(k)) != json.dumps(inputs[k])) or ["fingerprint"]
+            raise UserError(f"the embedding cache {folder} was not built from these settings (its manifest differs "
+                            f"in: {', '.join(differ)}): rebuild it with preprocess.py --force or pass --no-cache")
+        return cache
     if not explicit:
         return None
     others = sorted(root.glob(f"{inputs['model']}-*/{MANIFEST}"), key=os.path.getmtime)

@@ -236,6 +236,12 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
     if checkpoint is not None:
         _restore(run, checkpoint)
         accelerator.print(f"resumed from {checkpoint.folder} at epoch {run.start_epoch}")
+        saved_by = len(list(checkpoint.folder.glob("rng_*.pt")))
+        if saved_by != accelerator.num_processes:  # allowed: draws depend on (seed, epoch), not on the processes
+            accelerator.print(f"note: {checkpoint.folder.name} was saved by {saved_by} process"
+                              f"{'es' if saved_by != 1 else ''} and resumes on "
+                              f"{accelerator.num_processes}: prompts and noise are drawn as before, but the run is no "
+                              f"longer bit-identical to one that kept {saved_by}")
     elif restart:
         accelerator.print(f"{output_dir} holds a run stopped before its first checkpoint: starting it again from "
                           f"scratch (its metrics.jsonl and eval/ are cleared)")

@@ -62,7 +62,9 @@ def write_text_atomic(path: Path, text: str) -> None:
     """Write `text` through PATH.tmp and a rename, so a reader sees the old or the new file, never half of one."""
     tmp = path.with_name(path.name + ".tmp")
     with disk_writes(path, remove=[tmp]):
-        tmp.write_text(text)
+        tmp.unlink(missing_ok=True)  # a leftover (or planted) PATH.tmp, even a symlink, is replaced, not written through
+        with open(tmp, "x") as handle:
+            handle.write(text)
         os.replace(tmp, path)
 
 

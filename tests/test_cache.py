@@ -169,3 +169,20 @@ def test_negative_prompts_are_cached_for_true_cfg_models():
     prompts = [Prompt("a", "blurry"), Prompt("b")]
     assert cache_texts(prompts, [], with_negatives=True) == ["", "a", "b", "blurry"]
     assert cache_texts(prompts, [], with_negatives=False) == ["a", "b"]
+
+
+def test_a_folder_whose_manifest_says_other_inputs_is_refused(built, tmp_path):
+    """The folder name is a 16-hex-digit hash of the inputs; the manifest inside must agree with it (a copied,
+    renamed or hand-edited cache is not trusted by its name)."""
+    root, inputs, folder = built
+    copy_root = tmp_path / "root"
+    copy = shutil.copytree(folder, copy_root / folder.name)
+    assert open_cache(copy_root, inputs, explicit=True) is not None
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["inputs"]["max_sequence_length"] = 33
+    manifest["fingerprint"] = "0" * 16
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    for explicit in (True, False):
+        with pytest.raises(UserError, match=r"was not built from these settings \(its manifest differs in: "
+                                            r"max_sequence_length\)"):
+            open_cache(copy_root, inputs, explicit=explicit)

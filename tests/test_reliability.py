@@ -131,6 +131,25 @@ def test_stale_temporary_checkpoint_folders_are_removed(run_copy):
     assert not stale.exists() and (run_copy / "checkpoints" / "epoch_000004").is_dir()
 
 
+def test_a_planted_temporary_metrics_symlink_is_not_written_through(run_copy, tmp_path):
+    """The metrics rewrite at resume goes through metrics.jsonl.tmp: a symlink left there (by accident or planted)
+    is replaced, never followed into the file it points at."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    (run_copy / "metrics.jsonl.tmp").symlink_to(victim)
+    resume(run_copy, epochs=5)
+    assert victim.read_text() == "keep me\n"
+    assert [m["epoch"] for m in read_metrics(run_copy)] == [0, 1, 2, 3, 4]
+
+
+def test_resuming_on_another_process_count_says_so(run_copy):
+    result = run_script("algos/grpo.py", *TINY, "--epochs", "5", "--save-every", "2", "--output-dir", run_copy,
+                        "--resume", launcher=ACCELERATE_2CPU)
+    assert ("note: epoch_000003 was saved by 1 process and resumes on 2: prompts and noise are drawn as before"
+            in result.stdout)
+    assert [m["num_processes"] for m in read_metrics(run_copy)] == [1, 1, 1, 1, 2]
+
+
 # ---- 2. errors reach the terminal under accelerate launch -------------------------------------------------------
 def test_one_line_error_under_accelerate_launch(tmp_path):
     result = run_script("algos/grpo.py", "--preset", "tiny", "--reward", "foo", "--output-dir", tmp_path / "out",
