@@ -25,7 +25,6 @@ from common.cli import CONDITIONED_MODELS, TrainArgs
 from common.data import DEFAULT_DATASET, check_conditions, load_prompts
 from common.evaluation import evaluate_prompts
 from common.models import ADAPTERS, load_adapter, resolve_model_path
-from common.setup import RUN_ARGS_FILE
 from common.tracking import format_metrics
 from common.training import EMA, add_lora, trainable_parameters
 from common.utils import UserError, install_user_error_hook, quiet_libraries, resolve_dtype
@@ -38,7 +37,8 @@ MODELS = Literal["flux1", "sd3", "qwen-image", "wan", "flux1-kontext", "qwen-ima
 class Args:
     run: list[str] = field(default_factory=list)
     """run folders (--output-dir of a training script): each is scored at its newest complete checkpoint, with the
-    settings it was trained with; flags below given explicitly override the evaluation settings of every run"""
+    settings that checkpoint was trained with (its meta.json); flags below given explicitly override the evaluation
+    settings of every run"""
     base: bool = False
     """with --run: also score the model the first run started from (its evaluation before the first update)"""
     output: str | None = None
@@ -92,12 +92,23 @@ def check(args: Args) -> None:
                         "the flags is scored untrained anyway)")
 
 
-def run_settings(folder: Path) -> dict:
-    path = folder / RUN_ARGS_FILE
-    if not path.exists():
-        raise UserError(f"--run {folder}: no {RUN_ARGS_FILE} (not a run folder, or a run from before runs saved "
-                        f"their settings)")
-    return json.loads(path.read_text())
+def newest_checkpoint(folder: Path, process_index: int):
+    """The run's newest complete checkpoint (a damaged newer one is skipped, as on --resume); it carries the flags
+    of the start that wrote it (meta.json `args`)."""
+    metas = sorted((folder / "checkpoints").glob("epoch_*/meta.json"), reverse=True)
+    if not metas:
+        raise UserError(f"--run {folder}: no checkpoint (not a run folder, or a run stopped before its first one)")
+    try:
+        full_finetune = bool(json.loads(metas[0].read_text()).get("full_finetune"))
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        full_finetune = (metas[0].parent / "transformer").is_dir()
+    checkpoint, skipped = newest_complete_checkpoint(folder, full_finetune, process_index)
+    if checkpoint is None:
+        raise UserError(f"--run {folder}: no complete checkpoint ({'; '.join(skipped) or 'none is left'})")
+    if "args" not in checkpoint.meta:
+        raise UserError(f"--run {folder}: {checkpoint.folder.name} was saved before checkpoints carried their "
+                        f"settings; evaluate it with explicit flags")
+    return checkpoint
 
 
 def settings(args: Args, saved: dict | None) -> Namespace:
@@ -143,11 +154,8 @@ def score(name: str, epoch: int, s: Namespace, adapter, encode, test, accelerato
     return {"name": name, "epoch": epoch, **metrics}
 
 
-def trained(folder: Path, s: Namespace, adapter, accelerator):
-    """Put the run's newest complete checkpoint into the adapter's transformer; its epoch and the EMA (or None)."""
-    checkpoint, skipped = newest_complete_checkpoint(folder, s.full_finetune, accelerator.process_index)
-    if checkpoint is None:
-        raise UserError(f"--run {folder}: no complete checkpoint" + (f" ({'; '.join(skipped)})" if skipped else ""))
+def trained(checkpoint, s: Namespace, adapter):
+    """Put a checkpoint's weights into the adapter's transformer; its epoch and the EMA (or None)."""
     transformer = adapter.transformer
     if s.full_finetune:
         load_full_state_into(transformer, checkpoint.weights)
@@ -184,9 +192,11 @@ def main() -> None:
     check(args)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     grid_dir = Path(args.grid_dir)
-    jobs = [(Path(folder), run_settings(Path(folder))) for folder in args.run] or [(None, None)]
+    checkpoints = [newest_checkpoint(Path(folder), accelerator.process_index) for folder in args.run]
+    jobs = [(Path(folder), c) for folder, c in zip(args.run, checkpoints)] or [(None, None)]
     results = []
-    for k, (folder, saved) in enumerate(jobs):
+    for k, (folder, checkpoint) in enumerate(jobs):
+        saved = checkpoint.meta["args"] if checkpoint is not None else None
         s = settings(args, saved)
         if s.model in CONDITIONED_MODELS and s.condition_size is None and saved is None:
             accelerator.print(f"note: {s.model} resizes condition images as its pipeline does (--condition-size unset)")
@@ -196,7 +206,7 @@ def main() -> None:
             results.append(score(name, -1, s, adapter, encode, test, accelerator, grid_dir, best_of=args.best_of))
         if folder is not None:
             adapter, encode, test = load_model(s, accelerator)
-            epoch, ema = trained(folder, s, adapter, accelerator)
+            epoch, ema = trained(checkpoint, s, adapter)
             results.append(score(folder.name, epoch, s, adapter, encode, test, accelerator, grid_dir, ema,
                                  best_of=args.best_of))
         accelerator.print(format_metrics(results[-1], ["name", "epoch", "eval_reward_mean"]))

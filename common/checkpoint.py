@@ -29,7 +29,7 @@ from common.utils import RunStopped, disk_writes, write_text_atomic
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 # What a failed write can leave in OUTPUT_DIR (checkpoint folders aside), removed by the next start.
-STALE_FILES = ("metrics.jsonl.tmp", "run_args.json.tmp", "eval/*.tmp.png", "checkpoints/latest.tmp")
+STALE_FILES = ("metrics.jsonl.tmp", "eval/*.tmp.png", "checkpoints/latest.tmp")
 
 
 def _torch_save(obj, path: Path) -> None:
@@ -98,7 +98,7 @@ def save_checkpoint(accelerator, output_dir: str | Path, epoch: int, write_weigh
 
 def clean_stale_writes(output_dir: str | Path) -> list[str]:
     """Remove what a failed or killed write left behind (temporary checkpoint folders, *.tmp files of the
-    metrics, run_args.json and eval grids); returns their names."""
+    metrics and eval grids); returns their names."""
     output_dir = Path(output_dir)
     stale = sorted([*output_dir.glob("checkpoints/.epoch_*.tmp"), *output_dir.glob("checkpoints/.epoch_*.old"),
                     *(path for pattern in STALE_FILES for path in output_dir.glob(pattern))])

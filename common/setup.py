@@ -30,10 +30,7 @@ from common.scoring import score_samples
 from common.shadow import ReferencePolicy, ShadowPolicy
 from common.tracking import MetricsLog, check_finite, format_metrics
 from common.training import EMA, add_lora, lr_scheduler, trainable_parameters
-from common.utils import RunStopped, UserError, peak_memory_gb, resolve_dtype, write_text_atomic
-
-
-RUN_ARGS_FILE = "run_args.json"  # the flags of the run's last start (evaluate.py reads them)
+from common.utils import RunStopped, UserError, peak_memory_gb, resolve_dtype
 
 
 @dataclass
@@ -230,7 +227,6 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
         if restart:  # the new run's lines must not follow the old ones
             (output_dir / "metrics.jsonl").unlink()
             shutil.rmtree(output_dir / "eval", ignore_errors=True)
-        _save_run_args(output_dir, args, guidance)
     if skipped:
         accelerator.print(f"skipped checkpoints that do not load completely: {'; '.join(skipped)}")
     if checkpoint is not None:
@@ -252,14 +248,6 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
                                   init_kwargs={"wandb": {"name": f"{args.exp_name}-{args.seed}", "dir": str(output_dir)}})
     stop_after_epoch_on_signals()  # before this, nothing is trained: a signal ends the run at once
     return run
-
-
-def _save_run_args(output_dir: Path, args, guidance: float) -> None:
-    """Every flag of this start (and the guidance it resolved to), for evaluate.py to score the run as it was
-    evaluated; rewritten on each start, so it holds a resumed run's last flags."""
-    settings = {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()}
-    write_text_atomic(output_dir / RUN_ARGS_FILE, json.dumps({**settings, "guidance": guidance}, indent=1,
-                                                             default=str) + "\n")
 
 
 def _restore(run: Run, checkpoint) -> None:
@@ -403,9 +391,13 @@ def save(run: Run, epoch: int, meta: dict | None = None) -> None:
             run.adapter.save_lora(folder, lora_state_dict(run.unwrapped, state))
             os.chmod(Path(folder) / LORA_FILE, 0o666 & ~_umask())  # safetensors writes 0600
 
+    # `args`: every flag of the start that wrote it and the guidance it resolved to, so that evaluate.py scores
+    # the checkpoint as this run evaluated it.
+    settings = json.loads(json.dumps(vars(args), default=str))
     info = {"run": run_defining_flags(args), "model": args.model, "full_finetune": args.full_finetune,
             "weights": "transformer" if args.full_finetune else LORA_FILE, "optimizer_steps": run.optimizer_steps,
-            "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"), **(meta or {})}
+            "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"), "args": {**settings, "guidance": run.guidance},
+            **(meta or {})}
     save_checkpoint(run.accelerator, run.output_dir, epoch, write_weights, states, info, keep=args.keep_checkpoints,
                     model=run.unwrapped)
     if stop:

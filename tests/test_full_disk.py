@@ -67,11 +67,10 @@ def resume(out, epochs, *flags, check=True):
 
 
 # (free pages left, epochs, resume flags, the file named in the line). A resumed start writes .lock (1 page),
-# run_args.json.tmp (1 page, then the old file's page is freed), metrics.jsonl.tmp (2 pages, likewise), then the
+# metrics.jsonl.tmp (2 pages, then the old file's pages are freed), then the
 # epochs' metrics lines, eval grids (~100 KiB) and checkpoints (~200 KiB).
 CASES = {
     "lock file": (0, 8, [], ".lock"),
-    "run_args.json": (1, 8, [], "run_args.json"),
     "metrics rewrite at resume": (2, 8, [], "metrics.jsonl"),
     "metrics append": (3, 40, ["--save-every", "100"], "metrics.jsonl"),  # ~11 lines fit, no checkpoint before
     "eval grid": (16, 8, ["--eval-every", "1"], "epoch_000006.png"),
