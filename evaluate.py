@@ -21,7 +21,7 @@ from accelerate import Accelerator
 
 from common.cache import PromptEncoder, cache_texts, condition_inputs, find_cache
 from common.checkpoint import load_full_state_into, load_lora_state_into, newest_complete_checkpoint
-from common.cli import CONDITIONED_MODELS, TrainArgs
+from common.cli import CONDITIONED_MODELS, TrainArgs, check_finite
 from common.data import DEFAULT_DATASET, check_conditions, load_prompts
 from common.evaluation import evaluate_prompts
 from common.models import ADAPTERS, load_adapter, resolve_model_path
@@ -78,11 +78,13 @@ class Args:
     reward_device: Literal["accelerator", "cpu"] = "accelerator"
 
 
+# With --run, the flags that may differ from the run's own: what is evaluated and where the model is found.
 EVAL_FLAGS = ("eval_num_prompts", "eval_seeds", "eval_num_steps", "batch_size", "reward", "dataset",
-              "guidance_scale")
+              "guidance_scale", "model_path", "cache_dir", "reward_device")
 
 
 def check(args: Args) -> None:
+    check_finite(args)
     for name in ("eval_num_prompts", "eval_seeds", "eval_num_steps", "batch_size", "resolution"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -118,7 +120,7 @@ def settings(args: Args, saved: dict | None) -> Namespace:
         values["guidance"] = None
     for name, value in asdict(args).items():
         given = value not in (None, [])
-        if name in values and given and (saved is None or name in EVAL_FLAGS or name == "reward_device"):
+        if name in values and given and (saved is None or name in EVAL_FLAGS):
             values[name] = value
     values["eval_num_steps"] = values["eval_num_steps"] or values["num_steps"]  # unset: the rollout's steps
     values["dataset"] = values["dataset"] or DEFAULT_DATASET
