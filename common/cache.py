@@ -305,13 +305,13 @@ def build_cache(accelerator, adapter, texts, root: str | Path, inputs: dict, sha
                         "shards": [{"file": r["file"], "bytes": r["bytes"], "rows": len(r["texts"])} for r in records],
                         "index": index}
             (tmp / MANIFEST).write_text(json.dumps(manifest))
-        if folder.exists():  # same fingerprint rebuilt: swap, never leave a half state
-            stale = folder.with_name(f".{folder.name}.old")
-            shutil.rmtree(stale, ignore_errors=True)
-            os.replace(folder, stale)
-            os.replace(tmp, folder)
-            shutil.rmtree(stale)
-        else:
-            os.replace(tmp, folder)
+            if folder.exists():  # same fingerprint rebuilt: swap, never leave a half state
+                stale = folder.with_name(f".{folder.name}.old")
+                shutil.rmtree(stale, ignore_errors=True)
+                os.replace(folder, stale)
+                os.replace(tmp, folder)
+                shutil.rmtree(stale)
+            else:
+                os.replace(tmp, folder)
     accelerator.wait_for_everyone()
     return folder
