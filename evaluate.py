@@ -57,7 +57,8 @@ class Args:
     dataset: str | None = None
     """folder with the test split (without --run: the default prompt set)"""
     reward: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
-    """a reward as NAME[:WEIGHT][,KEY=VALUE...]; repeat for several (without --run and none given: jpeg_compressibility)"""
+    """a reward as NAME[:WEIGHT][,KEY=VALUE...]; repeat for several (without --run and none given:
+    jpeg_compressibility)"""
     resolution: int | None = None
     max_sequence_length: int | None = None
     num_frames: int | None = None
@@ -144,13 +145,13 @@ def load_model(s: Namespace, accelerator):
     return adapter, PromptEncoder(adapter, cache), test
 
 
-def score(name: str, epoch: int, s: Namespace, adapter, encode, test, accelerator, grid_dir: Path, ema=None,
+def score(name: str, epoch: int, s: Namespace, adapter, encode, rewards, test, accelerator, grid_dir: Path, ema=None,
           best_of: bool = False) -> dict:
     guidance = s.guidance_scale if s.guidance_scale is not None else (
         s.guidance if s.guidance is not None else adapter.default_guidance_scale)
     adapter.transformer.eval()
     with ema.applied() if ema is not None else nullcontext(), torch.no_grad():
-        metrics = evaluate_prompts(adapter, accelerator, encode, load_run_rewards(s), test, s.eval_seeds,
+        metrics = evaluate_prompts(adapter, accelerator, encode, rewards, test, s.eval_seeds,
                                    s.eval_num_steps, s.batch_size, guidance, grid_dir / f"{name}.png",
                                    best_of=best_of)
     return {"name": name, "epoch": epoch, **metrics}
@@ -202,14 +203,15 @@ def main() -> None:
         s = settings(args, saved)
         if s.model in CONDITIONED_MODELS and s.condition_size is None and saved is None:
             accelerator.print(f"note: {s.model} resizes condition images as its pipeline does (--condition-size unset)")
-        if folder is None or (args.base and k == 0):
-            adapter, encode, test = load_model(s, accelerator)
+        adapter, encode, test = load_model(s, accelerator)
+        rewards = load_run_rewards(s)
+        if folder is None or (args.base and k == 0):  # before the checkpoint goes into the same transformer
             name = "base" if folder is None else f"{folder.name}-base"
-            results.append(score(name, -1, s, adapter, encode, test, accelerator, grid_dir, best_of=args.best_of))
+            results.append(score(name, -1, s, adapter, encode, rewards, test, accelerator, grid_dir,
+                                 best_of=args.best_of))
         if folder is not None:
-            adapter, encode, test = load_model(s, accelerator)
             epoch, ema = trained(checkpoint, s, adapter)
-            results.append(score(folder.name, epoch, s, adapter, encode, test, accelerator, grid_dir, ema,
+            results.append(score(folder.name, epoch, s, adapter, encode, rewards, test, accelerator, grid_dir, ema,
                                  best_of=args.best_of))
         accelerator.print(format_metrics(results[-1], ["name", "epoch", "eval_reward_mean"]))
     if accelerator.is_main_process:
