@@ -33,16 +33,23 @@ stdout.log, stderr.log, wall_time_s.txt and cpu_time_s.txt):
   under a launcher), from os.wait4; "CPU min to threshold" estimates it as the run's CPU time × (training seconds
   to threshold / training seconds of the run);
 - base: the first point; final: the mean of the curve's last 10% of points (at least one); best: its maximum;
-- threshold: `--threshold` when given, else start + `--threshold-gain` (on the metric's own scale: the default
-  0.05 is five points of strict success), where start is the mean of the first `--start-points` points of every run (all
-  algorithms and seeds: the same initial model);
+- threshold: `--threshold` when given, else each run's own base + `--threshold-gain` (on the metric's own scale: the
+  default 0.05 is five points of strict success), where a run's base is the mean of its first `--start-points` points
+  (the first is the evaluation before the first update); start, drawn in the plot, is the mean of the bases;
 - epochs / samples / time to threshold: the first point where the trailing mean over `--smooth` points reaches
   the threshold; mean ± std over the seeds that reach it (the count is shown);
 - time per epoch: rollout / reward / training seconds, the mean over the epochs after `--warmup`.
 
 Mean ± std is over seeds (population std). Time-to-threshold ratios are the baseline's time over each
-algorithm's; epoch-time ratios are each algorithm's over the baseline's. The table's caption holds the command
-that made it.
+algorithm's; epoch-time ratios are each algorithm's over the baseline's. A second table gives every (algorithm, seed):
+its base, final, best, and the samples and CPU-seconds it took to reach its threshold; the ratios to the baseline
+follow with their spread (min–max over every pair of a baseline seed and an algorithm seed that both reach it). The
+table's caption holds the command that made it.
+
+The papers' speed claims (NFT up to 25×, AWM up to 24× fewer samples or less time than Flow-GRPO) need runs long
+enough that grpo reaches the threshold: every preset's own length, base + 0.10, evaluated every 2 epochs
+(docs/benchmarks.md has its table and wall time):
+  python benchmarks/compare.py --budget None --threshold-gain 0.10 --eval-every 2 --output-dir runs/compare-long
 
 CPU, the tiny FLUX.1 with the JPEG reward instead (each script's `tiny` preset; 2400 samples = 150 epochs):
   python benchmarks/compare.py --preset tiny --model-path tiny --reward jpeg_compressibility --resolution 64 \\
@@ -390,13 +397,18 @@ def summarise(args: Args, runs: dict[str, list[dict]], cpu: dict[str, list[float
     for algo, cs in curves.items():
         row = {"base": [], "final": [], "best": [], "epochs_to": [], "time_to": [], "samples_to": [],
                "cpu_min_to": [], "rollout": [], "reward": [], "train": [], "epoch": [], "cpu_min": [],
-               "reached": 0, "seeds": len(cs)}
+               "reached": 0, "seeds": len(cs), "threshold": [], "per_seed_samples_to": [], "per_seed_cpu_s_to": []}
         for (seconds, samples, epochs, values), metrics, cpu_s in zip(cs, runs[algo], cpu[algo]):
             row["base"].append(values[0])
+            # each run from its own base (the evaluation before its first update), unless --threshold is given
+            own = args.threshold if args.threshold is not None else values[: args.start_points].mean() + args.threshold_gain
+            row["threshold"].append(own)
             row["final"].append(values[-max(1, math.ceil(0.1 * len(values))):].mean())
             row["best"].append(values.max())
             row["cpu_min"].append(cpu_s / 60)
-            hit = first_reach(values, threshold, args.smooth)
+            hit = first_reach(values, own, args.smooth)
+            row["per_seed_samples_to"].append(None if hit is None else samples[hit])
+            row["per_seed_cpu_s_to"].append(None if hit is None else cpu_s * seconds[hit] / training_seconds(metrics)[-1])
             if hit is not None:
                 row["reached"] += 1
                 row["epochs_to"].append(epochs[hit])
@@ -408,7 +420,8 @@ def summarise(args: Args, runs: dict[str, list[dict]], cpu: dict[str, list[float
             for part in ("rollout", "reward", "train"):
                 row[part].append(np.mean([m[f"{part}_time_s"] for m in timed]))
             row["epoch"].append(np.mean([m["rollout_time_s"] + m["reward_time_s"] + m["train_time_s"] for m in timed]))
-        summary[algo] = {k: [float(x) for x in v] if isinstance(v, list) else v for k, v in row.items()}
+        summary[algo] = {k: [None if x is None else float(x) for x in v] if isinstance(v, list) else v
+                         for k, v in row.items()}
     return summary, start, threshold
 
 
@@ -456,7 +469,7 @@ def describe_task(plans: dict[str, Plan]) -> str:
 def write_table(args: Args, plans: dict[str, Plan], summary: dict, start: float, threshold: float, wall: dict,
                 command: str) -> str:
     how = (f"--threshold {threshold:.3f}" if args.threshold is not None else
-           f"start {start:.3f} (mean of every run's first {args.start_points} points) + {args.threshold_gain:g}")
+           f"each run's own base (its first {args.start_points} point(s); mean {start:.3f}) + {args.threshold_gain:g}")
     presets = sorted({p.preset for p in plans.values()})
     preset_text = (f"each algorithm with its own `--preset {presets[0]}`" if len(presets) == 1 else
                    "presets " + ", ".join(f"{a} `{p.preset}`" for a, p in plans.items()))
@@ -465,7 +478,7 @@ def write_table(args: Args, plans: dict[str, Plan], summary: dict, start: float,
     lines = [f"`{command}`", "",
              f"Seeds {' '.join(map(str, args.seeds))}; {preset_text} (the presets differ in M, K, lr, clip range, "
              f"steps, trained timesteps, epochs); {budget}; {args.jobs} run(s) at a time, one thread each. Task: "
-             f"{describe_task(plans)}. Metric: {describe_metric(args)}. Threshold {threshold:.3f} = {how}, reached "
+             f"{describe_task(plans)}. Metric: {describe_metric(args)}. Threshold (mean) {threshold:.3f} = {how}, reached "
              f"when the trailing mean over {args.smooth} points is ≥ it. Final = mean of the last 10% of points. "
              f"Times are training seconds (rollout + reward + training; start-up and evaluation excluded), per "
              f"epoch after {args.warmup} warm-up epochs; run wall s is the whole process. CPU min is the run's "
@@ -496,7 +509,9 @@ def write_table(args: Args, plans: dict[str, Plan], summary: dict, start: float,
             if algo == b:
                 continue
             parts = [f"epoch time {algo}/{b} = {np.mean(row['epoch']) / np.mean(base['epoch']):.2f}"]
-            if row["time_to"] and base["time_to"]:
+            if row["time_to"] and base["time_to"] and min(np.mean(row["time_to"]), np.mean(base["time_to"])) == 0:
+                parts.append("time to threshold: reached before training (a threshold at or below the base)")
+            elif row["time_to"] and base["time_to"]:
                 parts.append(f"time to threshold {b}/{algo} = {np.mean(base['time_to']) / np.mean(row['time_to']):.2f} "
                              f"(samples {np.mean(base['samples_to']) / np.mean(row['samples_to']):.2f}, epochs "
                              f"{np.mean(base['epochs_to']) / np.mean(row['epochs_to']):.2f}; over the seeds that "
@@ -504,7 +519,44 @@ def write_table(args: Args, plans: dict[str, Plan], summary: dict, start: float,
             else:
                 parts.append(f"time to threshold: {algo if not row['time_to'] else b} never reaches it")
             lines.append(f"- {algo} vs {b}: " + "; ".join(parts))
+    lines += per_seed_table(args, summary)
     return "\n".join(lines) + "\n"
+
+
+def ratio_with_spread(baseline: list, values: list) -> str:
+    """mean(baseline) / mean(values) over the seeds that reached the threshold, and its min–max over every pair of a
+    baseline seed and a seed of `values` that both reached it; – when either never does, or reached it before
+    training (0: a threshold at or below the base)."""
+    base, mine = [b for b in baseline if b is not None], [v for v in values if v is not None]
+    if not base or not mine or min(base) <= 0 or min(mine) <= 0:
+        return "–"
+    pairs = [b / v for b in base for v in mine]
+    return f"{np.mean(base) / np.mean(mine):.2f} ({min(pairs):.2f}–{max(pairs):.2f})"
+
+
+def per_seed_table(args: Args, summary: dict) -> list[str]:
+    """Every (algorithm, seed): base, final, best, samples and CPU-seconds to its own threshold; then the ratios of
+    the baseline's samples and CPU-seconds to each algorithm's, with their spread."""
+    lines = ["", "| algorithm | seed | base | threshold | final | best | samples to threshold | CPU s to threshold |",
+             "|---|---|---|---|---|---|---|---|"]
+    for algo, row in summary.items():
+        for i, seed in enumerate(args.seeds):
+            samples, cpu_s = row["per_seed_samples_to"][i], row["per_seed_cpu_s_to"][i]
+            lines.append(f"| {algo} | {seed} | {row['base'][i]:.3f} | {row['threshold'][i]:.3f} | {row['final'][i]:.3f} | "
+                         f"{row['best'][i]:.3f} | {'–' if samples is None else f'{samples:.0f}'} | "
+                         f"{'–' if cpu_s is None else f'{cpu_s:.0f}'} |")
+    base = summary.get(args.baseline)
+    if base is not None and len(summary) > 1:
+        b = args.baseline
+        lines += ["", f"Ratios to {b} ({b}'s samples or CPU-seconds to threshold over the algorithm's: > 1 is faster "
+                  f"than {b}), mean over the seeds that reach it (min–max over seed pairs):", "",
+                  f"| algorithm | reached | samples ratio | CPU-seconds ratio |", "|---|---|---|---|"]
+        for algo, row in summary.items():
+            if algo != b:
+                lines.append(f"| {algo} | {row['reached']}/{row['seeds']} ({b} {base['reached']}/{base['seeds']}) | "
+                             f"{ratio_with_spread(base['per_seed_samples_to'], row['per_seed_samples_to'])} | "
+                             f"{ratio_with_spread(base['per_seed_cpu_s_to'], row['per_seed_cpu_s_to'])} |")
+    return lines
 
 
 # ---- the plot, drawn with PIL (matplotlib is not a dependency) -----------------------------------------

@@ -19,8 +19,20 @@ SMOKE = ["--algos", "grpo", "nft", "--seeds", "1", "--preset", "tiny", "--model-
          "--threshold-gain", "0.15"]
 
 
+def tables(text: str) -> list[list[list[str]]]:
+    """Every markdown table of the text: its rows (header first, the --- row left out) as lists of cells."""
+    found, current = [], None
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            current = (current or []) + [[c.strip() for c in line.strip("|").split("|")]]
+        elif current:
+            found.append([row for row in current if set("".join(row)) != {"-"}])
+            current = None
+    return found
+
+
 def parse_table(text: str) -> dict[str, dict[str, str]]:
-    rows = [line for line in text.splitlines() if line.startswith("|")]
+    rows = [line for line in text.split("\n\n| algorithm | seed")[0].splitlines() if line.startswith("|")]
     header = [c.strip() for c in rows[0].strip("|").split("|")]
     assert header == COLUMNS
     assert set(rows[1].replace("|", "")) == {"-"}
@@ -73,13 +85,13 @@ def test_compare_smoke(tmp_path):
         assert [m["epoch"] for m in metrics] == [-1, 0, 1] and all("eval_reward_mean" in m for m in metrics), algo
         assert metrics[-1]["samples_seen"] == 32
 
-    # threshold: start (mean of every run's first point, --start-points 1) + --threshold-gain
+    # threshold: each run's own base (its first point, the evaluation before the first update) + --threshold-gain
     mine = {algo: expected(m, -math.inf, 1, 16) for algo, m in runs.items()}
-    threshold = np.mean([e["first"] for e in mine.values()]) + 0.15
+    threshold = np.mean([e["first"] for e in mine.values()]) + 0.15  # the caption's mean
     table = parse_table((out / "results.md").read_text())
     assert list(table) == ["grpo", "nft"]
     for algo, metrics in runs.items():
-        e = expected(metrics, threshold, 1, 16)
+        e = expected(metrics, mine[algo]["first"] + 0.15, 1, 16)
         row = table[algo]
         assert row["M×K"] == "2×8" and row["epochs"] == "2"
         check_cell(row["final"], [e["final"]])
@@ -98,7 +110,7 @@ def test_compare_smoke(tmp_path):
         assert 0 < cpu < 2 * wall  # one thread: the CPU time of the run's own process
         check_cell(row["CPU min"], [cpu / 60])
     text = (out / "results.md").read_text()
-    assert f"threshold {threshold:.3f}" in text.replace("Threshold", "threshold")
+    assert f"Threshold (mean) {threshold:.3f}" in text
     assert text.startswith("`python benchmarks/compare.py --algos grpo nft")  # the caption holds the command
 
     image = Image.open(out / "compare.png")
@@ -123,6 +135,28 @@ def test_compare_smoke(tmp_path):
         check_cell(table[algo]["epochs to threshold"], e["epochs_to"])
         check_cell(table[algo]["time to threshold (s)"], e["time_to"])
     assert table["grpo"]["reached"] == "1/1"
+
+    # The per-seed table: base, threshold, samples and CPU-seconds to it; the ratio table: grpo's over each one's.
+    per_seed, ratios = tables((out / "results.md").read_text())[1:]
+    assert per_seed[0] == ["algorithm", "seed", "base", "threshold", "final", "best", "samples to threshold",
+                           "CPU s to threshold"]
+    cpu_to = {}
+    for row in per_seed[1:]:
+        algo, e = row[0], expected(runs[row[0]], level, 1, 16)
+        assert row[1] == "1" and float(row[2]) == round(e["first"], 3) and float(row[3]) == round(level, 3)
+        assert row[6] == (f"{16 * e['epochs_to'][0]}" if e["epochs_to"] else "–")
+        if e["epochs_to"]:
+            seconds = [m["rollout_time_s"] + m["reward_time_s"] + m["train_time_s"] for m in runs[algo] if m["epoch"] >= 0]
+            cpu = float((out / f"{algo}-1" / "cpu_time_s.txt").read_text())
+            cpu_to[algo] = cpu * e["time_to"][0] / sum(seconds)
+            assert abs(float(row[7]) - cpu_to[algo]) <= 0.5 + 1e-9
+    assert ratios[0] == ["algorithm", "reached", "samples ratio", "CPU-seconds ratio"] and ratios[1][0] == "nft"
+    if "nft" in cpu_to and all(expected(runs[a], level, 1, 16)["epochs_to"][0] > 0 for a in ("grpo", "nft")):
+        e_grpo, e_nft = (expected(runs[a], level, 1, 16) for a in ("grpo", "nft"))
+        ratio = e_grpo["epochs_to"][0] / e_nft["epochs_to"][0]
+        assert ratios[1][2] == f"{ratio:.2f} ({ratio:.2f}–{ratio:.2f})"
+    else:
+        assert ratios[1][2] == ratios[1][3] == "–"
 
 
 def test_first_reach_and_ticks():
@@ -154,7 +188,7 @@ def test_next_run_starts_each_algorithm_once_then_the_longest():
 
 def test_bad_flags():
     result = run_script("benchmarks/compare.py", "--algos", "grpo", "ppo", check=False)
-    assert result.returncode == 2 and "error: unknown --algos ppo; choose from: awm, crd, dgpo, dpo, grpo" in result.stderr
+    assert result.returncode == 2 and "error: unknown --algos ppo; choose from: awm, crd, dgpo, dpo, " in result.stderr
     result = run_script("benchmarks/compare.py", "--algos", "grpo", "--budget", "8", check=False)
     assert result.returncode == 2 and "less than one epoch of grpo's M·K" in result.stderr, result.stderr
     result = run_script("benchmarks/compare.py", "--extra-args=--seed 3", check=False)
