@@ -30,7 +30,8 @@ from common.training import EMA, add_lora, trainable_parameters
 from common.utils import UserError, install_user_error_hook, quiet_libraries, resolve_dtype
 from rewards import load_run_rewards
 
-MODELS = Literal["flux1", "sd3", "qwen-image", "wan", "flux1-kontext", "qwen-image-edit", "wan-i2v"]
+MODELS = Literal["flux1", "sd3", "qwen-image", "wan", "flux1-kontext", "qwen-image-edit", "wan-i2v",
+                 "z-image", "flux2", "flux2-klein"]
 
 
 @dataclass

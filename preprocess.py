@@ -21,7 +21,8 @@ from common.utils import UserError, resolve_dtype
 
 @dataclass
 class Args:
-    model: Literal["flux1", "sd3", "qwen-image", "wan", "flux1-kontext", "qwen-image-edit", "wan-i2v"] = "flux1"
+    model: Literal["flux1", "sd3", "qwen-image", "wan", "flux1-kontext", "qwen-image-edit", "wan-i2v",
+                   "z-image", "flux2", "flux2-klein"] = "flux1"
     """model family"""
     model_path: str | None = None
     """hub id or local folder of the pipeline; `tiny` or `toy` for the offline ones (unset: the published model)"""

@@ -22,7 +22,7 @@ from common.distributed import micro_step
 from common.models import ADAPTERS
 from common.sampling import sample, sample_generators
 from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
-                          setup)
+                          setup, start_scoring)
 from common.timesampling import sample_train_noise, training_generators, training_seeds
 from common.toy import TOY_WORLD
 from common.toy_edit import TOY_EDIT_WORLD
@@ -206,19 +206,20 @@ if __name__ == "__main__":
         run.transformer.eval()
         use_ema_sampler = run.optimizer_steps > args.switch_ema_ref
         policy = ema_ref.velocity if use_ema_sampler else adapter.velocity
-        clean, images = [], []
+        clean = []
+        scoring = start_scoring(run, records, group_ids)  # rewards score each micro-batch as it is decoded
         for index in rollout_batches:
             c, generators = {k: v[index] for k, v in cond.items()}, sample_generators(seeds[index], device)
             x0 = sample(lambda x, sigma: policy(x, sigma, c, run.guidance), adapter.noise(generators), sigmas,
                         args.dynamics)
             clean.append(x0)
-            images.append(adapter.decode(x0).cpu())
+            scoring.submit(adapter.decode(x0).cpu())
         clean = torch.cat(clean)
         rollout_time = time.time() - epoch_start
 
         # ---- 3. rewards and group-relative advantages (clamped to ±5) over the whole epoch (all processes) -------
         reward_start = time.time()
-        all_raw, all_ids = score_epoch(run, torch.cat(images), records, group_ids)
+        all_raw, all_ids = score_epoch(run, scoring)
         advantages, adv_stats = compute_advantages(all_raw, [r.weight for r in run.rewards], all_ids,
                                                    args.advantage_aggregation, args.global_std, args.adv_clip_max)
         # Every sample is kept (A = 0 weighs 0); micro-batches of whole groups, one optimizer step per epoch.

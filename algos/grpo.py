@@ -19,7 +19,7 @@ from common.distributed import micro_step
 from common.dynamics import sde_kl, sde_step
 from common.sampling import sample_generators
 from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
-                          setup)
+                          setup, start_scoring)
 from common.toy import TOY_WORLD
 from common.toy_edit import TOY_EDIT_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
@@ -79,6 +79,55 @@ PRESETS = {
     "flux1-flowgrpo": dict(reward=["pickscore"], resolution=512, num_steps=6, eval_num_steps=28, noise_level=0.9,
                            group_size=24, prompts_per_epoch=48, batch_size=8, learning_rate=3e-4, clip_range=1e-4,
                            kl_beta=0.01, lora_rank=64, lora_alpha=128, epochs=1000, eval_every=20, save_every=20),
+    # Flow-Factory's FLUX.2 [dev] GRPO example (examples/grpo/lora/flux2/t2i.yaml): LoRA r64/α128 at 512², 8 rollout
+    # steps with guidance 4, flow-SDE η 1.0 on one step drawn from steps 1–3, group 16, 48 prompts, 2 updates,
+    # clip 1e-4, no KL, lr 3e-4, weight decay 1e-4, CLIP text alignment + 0.5 PickScore by GDPO aggregation, 28
+    # eval steps. (Their EMA every 4 epochs and 1024² evaluation are not carried over.)
+    "flux2-flowfactory": dict(model="flux2", reward=["clip:1.0", "pickscore:0.5"], advantage_aggregation="gdpo",
+                              resolution=512, num_steps=8, eval_num_steps=28, guidance_scale=4.0, noise_level=1.0,
+                              sde_window_size=1, sde_window_range=(1, 4), group_size=16, prompts_per_epoch=48,
+                              batch_size=1, updates_per_epoch=2, learning_rate=3e-4, weight_decay=1e-4,
+                              clip_range=1e-4, kl_beta=0.0, lora_rank=64, lora_alpha=128, eval_every=20,
+                              save_every=20),
+    # Flow-Factory's FLUX.2 [klein] base GRPO example (examples/grpo/lora/flux2_klein_base/default.yaml): the 9B base,
+    # LoRA r64/α128 at 384², 8 rollout steps with true CFG 4, flow-SDE η 0.7 on one step drawn from steps 1–3, group
+    # 16, 48 prompts, 2 updates, clip 1e-4, no KL, lr 3e-4, PickScore by GDPO aggregation, 28 eval steps.
+    "flux2-klein-flowfactory": dict(model="flux2-klein", reward=["pickscore"], advantage_aggregation="gdpo",
+                                    resolution=384, num_steps=8, eval_num_steps=28, guidance_scale=4.0,
+                                    noise_level=0.7, sde_window_size=1, sde_window_range=(1, 4), group_size=16,
+                                    prompts_per_epoch=48, batch_size=1, updates_per_epoch=2, learning_rate=3e-4,
+                                    weight_decay=1e-4, clip_range=1e-4, kl_beta=0.0, lora_rank=64, lora_alpha=128,
+                                    eval_every=20, save_every=20),
+    # Flow-Factory's Z-Image GRPO example (examples/grpo/lora/z_image/default.yaml): the non-distilled base, LoRA
+    # r64/α128 at 512², 10 rollout steps with CFG 4 in the pipeline's terms (pos + 4·(pos − neg): w = 5 here),
+    # flow-SDE η 0.7 on one step drawn from steps 1–3, group 16, 48 prompts, 2 updates, clip 1e-4, no KL, lr 3e-4,
+    # weight decay 1e-4, PickScore by GDPO aggregation, 40 eval steps. (Their EMA every 4 epochs and 1024²
+    # evaluation are not carried over.)
+    "z-image-flowfactory": dict(model="z-image", model_path="Tongyi-MAI/Z-Image", reward=["pickscore"],
+                                advantage_aggregation="gdpo", resolution=512, num_steps=10, eval_num_steps=40,
+                                guidance_scale=5.0, noise_level=0.7, sde_window_size=1, sde_window_range=(1, 4),
+                                group_size=16, prompts_per_epoch=48, batch_size=1, updates_per_epoch=2,
+                                learning_rate=3e-4, weight_decay=1e-4, clip_range=1e-4, kl_beta=0.0, lora_rank=64,
+                                lora_alpha=128, eval_every=20, save_every=20),
+    # Flow-Factory's Wan2.2 T2V A14B GRPO example (examples/grpo/lora/wan22/t2v.yaml): LoRA r64/α128 on both
+    # experts at 480², 5 frames, 10 rollout steps with CFG 4 (high-noise expert) / 3 (low-noise expert: the model's
+    # default here), flow-SDE η 0.9 on one step drawn from steps 1–3, group 16, 48 prompts, 2 updates, clip 1e-4,
+    # no KL, lr 1e-4, weight decay 1e-4, per-group std, PickScore by GDPO aggregation, 28 eval steps. (Their EMA
+    # every 4 epochs and 720² × 21-frame evaluation are not carried over.)
+    "wan2.2-flowfactory": dict(model="wan2.2", reward=["pickscore"], advantage_aggregation="gdpo", resolution=480,
+                               num_frames=5, num_steps=10, eval_num_steps=28, noise_level=0.9, sde_window_size=1,
+                               sde_window_range=(1, 4), group_size=16, prompts_per_epoch=48, batch_size=1,
+                               updates_per_epoch=2, learning_rate=1e-4, weight_decay=1e-4, clip_range=1e-4,
+                               kl_beta=0.0, global_std=False, lora_rank=64, lora_alpha=128, eval_every=20,
+                               save_every=20),
+    # Flow-Factory publishes no Wan2.2-TI2V-5B example: its Wan2.2 T2V GRPO example above, carried over unchanged
+    # but for the CFG, the 5B's own scale 5 (Wan2.2's TI2V-5B setting; the model's default here).
+    "wan2.2-5b-flowfactory": dict(model="wan2.2-5b", reward=["pickscore"], advantage_aggregation="gdpo",
+                                  resolution=480, num_frames=5, num_steps=10, eval_num_steps=28, noise_level=0.9,
+                                  sde_window_size=1, sde_window_range=(1, 4), group_size=16, prompts_per_epoch=48,
+                                  batch_size=1, updates_per_epoch=2, learning_rate=1e-4, weight_decay=1e-4,
+                                  clip_range=1e-4, kl_beta=0.0, global_std=False, lora_rank=64, lora_alpha=128,
+                                  eval_every=20, save_every=20),
 }
 
 
@@ -118,7 +167,8 @@ if __name__ == "__main__":
         # ---- 2. rollout: x_{j+1} = sde_step(x_j); keep (x_j, x_{j+1}, log p_old(x_{j+1} | x_j)) of trained steps --
         cond = run.encode(records)
         run.transformer.eval()
-        stored, images = {"x": [], "x_next": [], "log_prob_old": []}, []
+        stored = {"x": [], "x_next": [], "log_prob_old": []}
+        scoring = start_scoring(run, records, group_ids)  # rewards score each micro-batch as it is decoded
         with torch.no_grad():
             for index in rollout_batches:
                 c, generators = {k: v[index] for k, v in cond.items()}, sample_generators(seeds[index], device)
@@ -133,13 +183,13 @@ if __name__ == "__main__":
                     x = x_next
                 for key in stored:
                     stored[key].append(torch.stack(steps[key], dim=1))  # (batch, trained steps, ...)
-                images.append(adapter.decode(x).cpu())
+                scoring.submit(adapter.decode(x).cpu())
         stored = {key: torch.cat(values) for key, values in stored.items()}
         rollout_time = time.time() - epoch_start
 
         # ---- 3. rewards and group-relative advantages over the whole epoch (all processes) ----------------------
         reward_start = time.time()
-        all_raw, all_ids = score_epoch(run, torch.cat(images), records, group_ids)
+        all_raw, all_ids = score_epoch(run, scoring)
         advantages, adv_stats = compute_advantages(all_raw, [r.weight for r in run.rewards], all_ids,
                                                    args.advantage_aggregation, args.global_std, args.adv_clip_max)
         # A group whose K rewards are equal (A = 0) has no policy gradient: drop it, keeping equal micro-step counts.

@@ -17,7 +17,7 @@ from common.distributed import micro_step
 from common.dynamics import sde_kl, sde_step
 from common.sampling import sample_generators
 from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
-                          setup)
+                          setup, start_scoring)
 from common.toy import TOY_WORLD
 from common.toy_edit import TOY_EDIT_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
@@ -108,7 +108,8 @@ if __name__ == "__main__":
         # ---- 2. rollout: x_{j+1} = sde_step(x_j); keep x_j, x_{j+1}, log p_old and μ_old of the trained steps ---
         cond = run.encode(records)
         run.transformer.eval()
-        stored, images = {"x": [], "x_next": [], "log_prob_old": [], "mean_old": []}, []
+        stored = {"x": [], "x_next": [], "log_prob_old": [], "mean_old": []}
+        scoring = start_scoring(run, records, group_ids)  # rewards score each micro-batch as it is decoded
         with torch.no_grad():
             for index in rollout_batches:
                 c, generators = {k: v[index] for k, v in cond.items()}, sample_generators(seeds[index], device)
@@ -123,13 +124,13 @@ if __name__ == "__main__":
                     x = x_next
                 for key in stored:
                     stored[key].append(torch.stack(steps[key], dim=1))  # (batch, trained steps, ...)
-                images.append(adapter.decode(x).cpu())
+                scoring.submit(adapter.decode(x).cpu())
         stored = {key: torch.cat(values) for key, values in stored.items()}
         rollout_time = time.time() - epoch_start
 
         # ---- 3. rewards and group-relative advantages over the whole epoch (all processes) ----------------------
         reward_start = time.time()
-        all_raw, all_ids = score_epoch(run, torch.cat(images), records, group_ids)
+        all_raw, all_ids = score_epoch(run, scoring)
         advantages, adv_stats = compute_advantages(all_raw, [r.weight for r in run.rewards], all_ids,
                                                    args.advantage_aggregation, args.global_std, args.adv_clip_max)
         # A group whose K rewards are equal (A = 0) has no policy gradient: drop it, keeping equal micro-step counts.

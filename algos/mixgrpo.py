@@ -24,7 +24,7 @@ from common.dynamics import sde_kl, sde_step
 from common.sampling import sample_generators
 from common.solvers import dpm_solver_sample
 from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
-                          setup)
+                          setup, start_scoring)
 from common.toy import TOY_WORLD
 from common.toy_edit import TOY_EDIT_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
@@ -229,7 +229,8 @@ if __name__ == "__main__":
         # ---- 2. rollout: SDE in the window, keeping (x_j, x_{j+1}, log p_old) of its steps; ODE / Flash elsewhere --
         cond = run.encode(records)
         run.transformer.eval()
-        stored, images = {"x": [], "x_next": [], "log_prob_old": []}, []
+        stored = {"x": [], "x_next": [], "log_prob_old": []}
+        scoring = start_scoring(run, records, group_ids)  # rewards score each micro-batch as it is decoded
         for index in rollout_batches:
             c, generators = {k: v[index] for k, v in cond.items()}, sample_generators(seeds[index], device)
             noise = adapter.noise(sample_generators(noise_seeds[index], device) if args.same_group_noise else generators)
@@ -237,13 +238,13 @@ if __name__ == "__main__":
                                       sigmas, train_steps, args.dynamics, args.noise_level, flash_tail, store)
             for key in stored:
                 stored[key].append(steps[key])
-            images.append(adapter.decode(x0).cpu())
+            scoring.submit(adapter.decode(x0).cpu())
         stored = {key: torch.cat(values) for key, values in stored.items()}
         rollout_time = time.time() - epoch_start
 
         # ---- 3. rewards and group-relative advantages over the whole epoch (all processes) ----------------------
         reward_start = time.time()
-        all_raw, all_ids = score_epoch(run, torch.cat(images), records, group_ids)
+        all_raw, all_ids = score_epoch(run, scoring)
         advantages, adv_stats = compute_advantages(all_raw, [r.weight for r in run.rewards], all_ids,
                                                    args.advantage_aggregation, args.global_std, args.adv_clip_max)
         # A group whose K rewards are equal (A = 0) has no policy gradient: drop it, keeping equal micro-step counts.

@@ -18,7 +18,7 @@ from common.data import epoch_samples
 from common.distributed import micro_step
 from common.sampling import sample, sample_generators
 from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
-                          setup)
+                          setup, start_scoring)
 from common.timesampling import (check_time_sampling, default_num_train, sample_train_noise, sample_train_sigmas,
                                  training_generators, training_seeds)
 from common.toy import TOY_WORLD
@@ -164,19 +164,20 @@ if __name__ == "__main__":
         # ---- 2. rollout with θ_old, keeping only x0 --------------------------------------------------------------
         cond = run.encode(records)
         run.transformer.eval()
-        clean, images = [], []
+        clean = []
+        scoring = start_scoring(run, records, group_ids)  # rewards score each micro-batch as it is decoded
         for index in rollout_batches:
             c, generators = {k: v[index] for k, v in cond.items()}, sample_generators(seeds[index], device)
             x0 = sample(lambda x, sigma: old.velocity(x, sigma, c, guidance), adapter.noise(generators), sigmas,
                         args.dynamics, args.noise_level, generators)
             clean.append(x0)
-            images.append(adapter.decode(x0).cpu())
+            scoring.submit(adapter.decode(x0).cpu())
         clean = torch.cat(clean)
         rollout_time = time.time() - epoch_start
 
         # ---- 3. rewards and group-relative advantages over the whole epoch (all processes) ----------------------
         reward_start = time.time()
-        all_raw, all_ids = score_epoch(run, torch.cat(images), records, group_ids)
+        all_raw, all_ids = score_epoch(run, scoring)
         advantages, adv_stats = compute_advantages(all_raw, [r.weight for r in run.rewards], all_ids,
                                                    args.advantage_aggregation, args.global_std, args.adv_clip_max)
         plan = plan_micro_batches(torch.ones_like(advantages, dtype=torch.bool), run.accelerator.num_processes,

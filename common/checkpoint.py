@@ -28,6 +28,9 @@ from common.distributed import (full_state_loading, is_sharded, load_lora_state_
 from common.utils import RunStopped, disk_writes, write_text_atomic
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
+# A second expert's LoRA (Wan2.2's low-noise `transformer_2`), in the same format: diffusers loads it with
+# `load_lora_weights(folder, weight_name=LORA_FILE_2, load_into_transformer_2=True)`.
+LORA_FILE_2 = "pytorch_lora_weights_transformer_2.safetensors"
 # What a failed write can leave in OUTPUT_DIR (checkpoint folders aside), removed by the next start.
 STALE_FILES = ("metrics.jsonl.tmp", "eval/*.tmp.png", "checkpoints/latest.tmp")
 
@@ -159,6 +162,9 @@ def read_checkpoint(folder: Path, full_finetune: bool, process_index: int) -> Ch
             weights.update(finite(what, read(what, lambda: load_file(shard))))
     else:
         weights = finite(LORA_FILE, read(LORA_FILE, lambda: load_file(folder / LORA_FILE)))
+        if (folder / LORA_FILE_2).exists():
+            weights.update(second_expert_keys(finite(LORA_FILE_2, read(LORA_FILE_2,
+                                                                       lambda: load_file(folder / LORA_FILE_2)))))
     states = read("training_state.pt", lambda: torch.load(folder / "training_state.pt", map_location="cpu",
                                                            weights_only=True))
     rng_file = folder / f"rng_{process_index}.pt"
@@ -193,11 +199,18 @@ def load_training_state(folder: Path, process_index: int) -> tuple[dict, dict]:
     return checkpoint.states, checkpoint.meta
 
 
+def second_expert_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """LORA_FILE_2's keys (`transformer.…`, as diffusers writes every transformer LoRA) as `transformer_2.…`."""
+    return {"transformer_2." + k.removeprefix("transformer."): v for k, v in state.items()}
+
+
 def load_lora_state_into(transformer, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
-    """Load LoRA weights in the diffusers file format into a peft-wrapped transformer (for resume)."""
+    """Load LoRA weights in the diffusers file format into a peft-wrapped transformer (for resume). A module holding
+    two experts (common.models.wan22.WanExperts) takes the keys as they are: `transformer.…`, `transformer_2.…`."""
     from peft import set_peft_model_state_dict
 
-    state = {k.removeprefix("transformer."): v for k, v in state.items()}
+    if not hasattr(transformer, "transformer_2"):  # one transformer: the keys without the file's component name
+        state = {k.removeprefix("transformer."): v for k, v in state.items()}
     if is_sharded(transformer):  # FSDP2: whole tensors into the shards
         unexpected = load_lora_state_dict(transformer, state)
     else:
@@ -216,7 +229,10 @@ def load_full_state_into(transformer, state: dict[str, torch.Tensor]) -> None:
 
 
 def load_lora_into(transformer, folder: Path) -> None:
-    load_lora_state_into(transformer, load_file(folder / LORA_FILE), str(folder))
+    state = load_file(folder / LORA_FILE)
+    if (folder / LORA_FILE_2).exists():
+        state.update(second_expert_keys(load_file(folder / LORA_FILE_2)))
+    load_lora_state_into(transformer, state, str(folder))
 
 
 def load_full_weights_into(transformer, folder: Path) -> None:

@@ -18,7 +18,7 @@ from common.training import check_updates_per_epoch
 from common.utils import UserError, avoid_cudnn_attention, install_user_error_hook, quiet_libraries
 
 # Kept here, not read off the adapters, so that parsing flags imports no model code (tests check they agree).
-VIDEO_MODELS = ("wan", "wan-i2v")
+VIDEO_MODELS = ("wan", "wan-i2v", "wan2.2", "wan2.2-5b")
 CONDITIONED_MODELS = ("flux1-kontext", "qwen-image-edit", "wan-i2v")
 
 NON_FINITE_NOTE = ("A non-finite reward, loss or gradient norm stops the run with one line naming the epoch and the "
@@ -49,7 +49,8 @@ class TrainArgs:
     """continue from the newest complete checkpoint in --output-dir"""
 
     # Model
-    model: Literal["flux1", "sd3", "qwen-image", "wan", "flux1-kontext", "qwen-image-edit", "wan-i2v"] = "flux1"
+    model: Literal["flux1", "sd3", "qwen-image", "wan", "flux1-kontext", "qwen-image-edit", "wan-i2v",
+                   "z-image", "wan2.2", "wan2.2-5b", "flux2", "flux2-klein"] = "flux1"
     """model family (flux1-kontext, qwen-image-edit: image editing; wan-i2v: image-to-video; their datasets give
     each prompt a condition image)"""
     model_path: str | None = None
@@ -63,6 +64,9 @@ class TrainArgs:
     """prompt length in text-encoder tokens (longer prompts are truncated, with a warning)"""
     num_frames: int | None = None
     """frames of a video model (wan, wan-i2v: 4k + 1; unset: 33); image models take none"""
+    train_experts: Literal["high", "low", "both"] | None = None
+    """wan2.2 only: the experts whose LoRA is trained (high noise: `transformer`, low noise: `transformer_2`); the
+    other's stays as it is, and both still sample (unset: both)"""
     condition_size: int | None = None
     """side of the square that condition images are resized to (unset: as the pipeline does it: FLUX.1 Kontext's
     preferred resolution nearest the image's aspect ratio, Qwen-Image-Edit's area-preserving resize, Wan I2V's
@@ -126,6 +130,9 @@ class TrainArgs:
     """recompute transformer block activations in the backward pass (less memory, ~30% more time)"""
     reward_device: Literal["accelerator", "cpu"] = "accelerator"
     """where reward models run"""
+    reward_workers: int = 4
+    """threads that score each rollout micro-batch while the next is denoised (a reward server's requests overlap up
+    to its client's connections=); 0: score the whole epoch after the rollout. The scores are the same either way"""
 
     # Evaluation and checkpoints
     eval_every: int = 10
@@ -196,7 +203,12 @@ def parse_args(args_class, presets: dict[str, dict] | None = None, description: 
         presets = {"none": {}, **presets}
         if name not in presets:
             raise UserError(f"unknown preset {name!r}; choose one of: {', '.join(presets)}")
-        default = replace(default, preset=name, **presets[name])
+        # A list flag given on the command line (--reward) replaces the preset's list: tyro's append action would
+        # add to it (`--preset toy --reward toy,mode=count` would train on both rewards).
+        given = {token.split("=", 1)[0] for token in argv if token.startswith("--")}
+        preset = {k: v for k, v in presets[name].items()
+                  if not (isinstance(v, list) and f"--{k.replace('_', '-')}" in given)}
+        default = replace(default, preset=name, **preset)
         description = (f"{description}\n\n{NON_FINITE_NOTE}\n\nPresets (named defaults; flags override them):\n"
                        f"{_preset_lines(presets)}")
     args = cli_one_line(args_class, default=default, args=argv, description=description)
@@ -232,7 +244,7 @@ _AT_LEAST = [("epochs", 1, ""), ("prompts_per_epoch", 1, ""), ("group_size", 2, 
              "its group)"), ("batch_size", 1, ""), ("updates_per_epoch", 1, ""), ("num_steps", 2, ""),
              ("lr_warmup_steps", 0, ""), ("lora_rank", 1, ""), ("max_sequence_length", 1, ""), ("resolution", 1, ""),
              ("eval_every", 0, ""), ("eval_num_prompts", 1, ""), ("eval_seeds", 1, ""), ("save_every", 0, ""),
-             ("keep_checkpoints", 1, ""), ("weight_decay", 0, "")]
+             ("keep_checkpoints", 1, ""), ("weight_decay", 0, ""), ("reward_workers", 0, "")]
 _POSITIVE = ["lora_alpha", "max_grad_norm", "adv_clip_max"]
 
 
@@ -254,6 +266,11 @@ def check_args(args) -> None:
         raise UserError(f"--eval-num-steps must be at least 1, got {args.eval_num_steps}")
     if not 0 <= args.ema_decay < 1:
         raise UserError(f"--ema-decay must be in [0, 1), got {args.ema_decay}")
+    if args.train_experts is not None and args.model != "wan2.2":
+        raise UserError(f"--train-experts applies to wan2.2 (two experts), not to {args.model}")
+    if args.model == "wan2.2" and args.full_finetune:
+        raise UserError("--full-finetune is not supported for wan2.2 (two 14B experts): train LoRA, with "
+                        "--train-experts to pick the experts")
     if args.num_frames is not None and args.model not in VIDEO_MODELS:
         raise UserError(f"--num-frames applies to video models ({', '.join(VIDEO_MODELS)}), not to {args.model}")
     if args.condition_size is not None and args.model not in CONDITIONED_MODELS:

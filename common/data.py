@@ -2,8 +2,9 @@
 
 A dataset is a folder with `train.jsonl`/`test.jsonl` (one JSON object per line, field `prompt`, optional
 `negative_prompt`, and for conditioned models (editing, image-to-video) `image` or `images`: condition image
-paths relative to the folder, PNG, JPEG or WebP) or `train.txt`/`test.txt` (one prompt per line). All K samples
-of a group share their prompt's conditions.
+paths relative to the folder, PNG, JPEG or WebP, and `task`: the name of the prompt's task, which algos/opd.py
+routes to that task's teacher) or `train.txt`/`test.txt` (one prompt per line). All K samples of a group share their
+prompt's conditions.
 """
 
 import hashlib
@@ -28,12 +29,14 @@ class Prompt:
     negative_prompt: str = ""
     images: tuple[str, ...] = ()         # condition images (absolute paths), in the order the model sees them
     image_digests: tuple[str, ...] = ()  # sha256 of each file's bytes when it was loaded
+    task: str = ""                       # the record's "task" (algos/opd.py's routing); "" when it has none
     source: str = field(default="", compare=False)  # "file:line" of the record, for error messages
 
     @property
     def key(self) -> int:
         """Group key: a hash of the texts and condition images (not a dataset index), as a non-negative int64."""
-        digest = hashlib.sha256(f"{self.prompt}\x00{self.negative_prompt}{self._images_part}".encode()).digest()
+        task = f"\x00task:{self.task}" if self.task else ""  # only when set: untagged keys stay as they were
+        digest = hashlib.sha256(f"{self.prompt}\x00{self.negative_prompt}{self._images_part}{task}".encode()).digest()
         return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
     @property
@@ -123,8 +126,11 @@ def load_prompts(dataset: str | Path, split: str) -> list[Prompt]:
             negative = item.get("negative_prompt") or ""
             if not isinstance(negative, str):
                 raise UserError(f"{jsonl}:{number}: \"negative_prompt\" must be a string")
+            task = item.get("task") or ""
+            if not isinstance(task, str):
+                raise UserError(f"{jsonl}:{number}: \"task\" must be a string")
             images, digests = _condition_images(item, folder, f"{jsonl}:{number}")
-            records.append(Prompt(item["prompt"], negative, images, digests, source=f"{jsonl}:{number}"))
+            records.append(Prompt(item["prompt"], negative, images, digests, task.strip(), source=f"{jsonl}:{number}"))
         source = jsonl
     elif txt.exists():
         records = [Prompt(line.strip(), source=f"{txt}:{number}")

@@ -26,7 +26,7 @@ from common.distributed import (configure_backend, load_optimizer_state_dict, lo
                                 place_like, save_pretrained, staging_device, trainable)
 from common.evaluation import evaluate_prompts
 from common.models import ADAPTERS, load_adapter, resolve_model_path
-from common.scoring import score_samples
+from common.scoring import RolloutScoring
 from common.shadow import ReferencePolicy, ShadowPolicy
 from common.tracking import MetricsLog, check_finite, format_metrics
 from common.training import EMA, add_lora, lr_scheduler, trainable_parameters
@@ -181,7 +181,7 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
                        condition_inputs(args.model, args.resolution, args.condition_size, args.num_frames))
     adapter = load_adapter(args.model, model_path, accelerator.device, dtype, args.resolution,
                            args.max_sequence_length, load_text_encoders=cache is None, num_frames=args.num_frames,
-                           condition_size=args.condition_size)
+                           condition_size=args.condition_size, train_experts=args.train_experts)
     adapter.check_condition_shapes(train_prompts + test_prompts)
     guidance = args.guidance_scale if args.guidance_scale is not None else (
         1.0 if cfg_free and true_cfg else adapter.default_guidance_scale)
@@ -416,11 +416,24 @@ def finish(run: Run) -> None:
     run.accelerator.print(f"outputs: {run.output_dir} (metrics.jsonl, eval/, checkpoints/)")
 
 
-def score_epoch(run: Run, images: torch.Tensor, records: list, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rewards of this process's samples, gathered over all processes in draw order: (all raw scores (N, R),
-    all group ids (N,)). Group statistics then see every sample of a group, whichever process drew it."""
+def start_scoring(run: Run, records: list, group_ids: torch.Tensor) -> RolloutScoring:
+    """The epoch's scoring, before its rollout: the script hands it each micro-batch's decoded images in draw order
+    (`.submit`), and --reward-workers threads score them while the next micro-batch is denoised (0: all of it in
+    `score_epoch`, after the rollout). Either way the scores are the same, bit for bit (common.scoring)."""
+    return RolloutScoring(run.rewards, [r.prompt for r in records], group_ids, [r.images for r in records],
+                          run.accelerator, run.args.reward_workers)
+
+
+def score_epoch(run: Run, scoring: RolloutScoring | torch.Tensor, records: list | None = None,
+                group_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewards of this process's samples (`start_scoring`'s, once the rollout is over; or a tensor of all its images
+    with their records and group ids), gathered over all processes in draw order: (all raw scores (N, R), all group
+    ids (N,)). Group statistics then see every sample of a group, whichever process drew it. Returns only once every
+    score is in and no reward thread is left; a reward's failure is raised instead, before anything is trained."""
     from accelerate.utils import gather
 
-    raw = score_samples(run.rewards, images, [r.prompt for r in records], group_ids, run.accelerator,
-                        [r.images for r in records])
-    return gather(raw.to(run.device)).cpu(), gather(group_ids.to(run.device)).cpu()
+    if isinstance(scoring, torch.Tensor):
+        images, scoring = scoring, start_scoring(run, records, group_ids)
+        scoring.submit(images)
+    raw = scoring.collect()
+    return gather(raw.to(run.device)).cpu(), gather(scoring.group_ids.to(run.device)).cpu()

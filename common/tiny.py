@@ -274,6 +274,61 @@ def _build_wan(path: Path) -> None:
     pipe.save_pretrained(path, safe_serialization=True)
 
 
+def _tiny_umt5(tokenizer):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    return UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=32, d_ff=64, d_kv=8, num_heads=4,
+                                       num_layers=2, relative_attention_num_buckets=8))
+
+
+def _build_wan22(path: Path) -> None:
+    """Wan2.2-T2V-A14B-like: `_build_wan`'s UMT5 and Wan2.1 VAE, two transformers of one config (the high-noise
+    `transformer` and the low-noise `transformer_2`, initialised differently) and the real pipeline's
+    boundary_ratio 0.875; the UniPC flow schedule at shift 3 puts steps on both sides of the boundary."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+    tokenizer = tiny_t5_tokenizer(max_length=512)
+    torch.manual_seed(TINY_SEED)
+    text_encoder = _tiny_umt5(tokenizer)
+    vae = AutoencoderKLWan(
+        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 2.5, 1.0],
+    )
+    experts = [WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+        text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=64,
+    ) for _ in range(2)]
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=experts[0],
+                       transformer_2=experts[1], vae=vae, scheduler=scheduler, boundary_ratio=0.875)
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
+def _build_wan22_5b(path: Path) -> None:
+    """Wan2.2-TI2V-5B-like: UMT5, the Wan2.2 VAE (residual up/down blocks, a 2×2 pixel patchify: 16× spatial, 4×
+    temporal; its latent channels scaled from 48 to 8), one transformer taking per-token timesteps, and the
+    pipeline's expand_timesteps; UniPC flow schedule at the real checkpoint's shift 5."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+    tokenizer = tiny_t5_tokenizer(max_length=512)
+    torch.manual_seed(TINY_SEED)
+    text_encoder = _tiny_umt5(tokenizer)
+    vae = AutoencoderKLWan(
+        base_dim=8, decoder_base_dim=8, z_dim=8, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+        temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+        scale_factor_spatial=16, scale_factor_temporal=4,
+        latents_mean=[0.1, -0.2, 0.3, 0.0, 0.05, -0.1, 0.2, 0.0], latents_std=[1.5, 2.0, 2.5, 1.0, 1.2, 0.8, 1.1, 1.3],
+    )
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=8, out_channels=8,
+        text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=64,
+    )
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae,
+                       scheduler=scheduler, expand_timesteps=True)
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
 def _build_flux1_kontext(path: Path) -> None:
     _build_flux1(path, "FluxKontextPipeline")
 
@@ -369,9 +424,166 @@ def _build_wan_i2v(path: Path) -> None:
     pipe.save_pretrained(path, safe_serialization=True)
 
 
+# A Qwen3-style chat template: ZImagePipeline formats every prompt as one user turn with a generation prompt and
+# thinking left on, which renders as below in the real Qwen3 template (no <think> block is added then).
+_QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def _build_z_image(path: Path) -> None:
+    """Z-Image-Turbo-like: a 2-layer Qwen3 text encoder (the pipeline reads its second-to-last hidden state) behind
+    a Qwen3-style chat template, the single-stream Z-Image DiT (noise and caption refiners, then joint layers; 3-axis
+    RoPE with the real axis lengths), FLUX's 4-block VAE with its scaling and shift, and the real checkpoint's
+    scheduler (static shift 3)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    tokenizer = tiny_qwen2_tokenizer()
+    tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
+    ids = tokenizer.convert_tokens_to_ids
+    torch.manual_seed(TINY_SEED)
+    text_encoder = Qwen3Model(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+    ))
+    vae = _tiny_sd3_vae(4, scaling_factor=0.3611, shift_factor=0.1159)  # FLUX.1's VAE constants, as Z-Image's
+    # head_dim 16 = sum(axes_dims); axes_lens as the real model (caption positions on axis 0, image rows, columns).
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=2, n_refiner_layers=1,
+        n_heads=2, n_kv_heads=2, cap_feat_dim=32, axes_dims=[8, 4, 4], axes_lens=[1536, 512, 512],
+    )
+    pipe = ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae, text_encoder=text_encoder,
+                          tokenizer=tokenizer, transformer=transformer)
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
+def tiny_mistral_tokenizer():
+    """A byte-level BPE tokenizer in Mistral's chat format ([SYSTEM_PROMPT]…[/SYSTEM_PROMPT][INST]…[/INST]) with
+    merges that make each word of FLUX.2's system message one token, so that the templated prefix is short as with
+    the real tokenizer. The real checkpoint wraps its tokenizer in a PixtralProcessor, which needs torchvision; the
+    text-to-image path calls only its `apply_chat_template`, which a tokenizer with the same template answers."""
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    vocab = {ch: i for i, ch in enumerate(_bytes_to_unicode().values())}
+    merges = []
+    for word, _ in pre_tokenizer.pre_tokenize_str(SYSTEM_MESSAGE):
+        token = word[0]
+        for ch in word[1:]:
+            if (token, ch) not in merges:
+                merges.append((token, ch))
+            token += ch
+            vocab.setdefault(token, len(vocab))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizer, decoders.ByteLevel()
+    backend.add_special_tokens(["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
+                                "[/SYSTEM_PROMPT]", "[IMG]"])
+    # Message content is a list of {"type": "text", "text": ...} parts, as Flux2Pipeline formats it.
+    template = (
+        "{{ bos_token }}{% for m in messages %}"
+        "{% set text = m['content'] if m['content'] is string else "
+        "m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
+        "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+        "{% elif m['role'] == 'user' %}[INST]{{ text }}[/INST]{% else %}{{ text }}{{ eos_token }}{% endif %}"
+        "{% endfor %}")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>", model_max_length=2048, chat_template=template)
+
+
+def _tiny_flux2_vae():
+    """AutoencoderKLFlux2 with 8x downsampling; its batch norm over the 2x2-patchified latents gets non-trivial
+    running statistics, so that a missed (de)normalisation shows."""
+    from diffusers import AutoencoderKLFlux2
+
+    vae = AutoencoderKLFlux2(block_out_channels=(8, 8, 8, 8), layers_per_block=1, latent_channels=4,
+                             norm_num_groups=4)
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.linspace(-0.3, 0.3, vae.bn.num_features))
+        vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, vae.bn.num_features))
+    return vae
+
+
+def _tiny_flux2_transformer(guidance_embeds: bool):
+    """Flux2Transformer2DModel: one double- and one single-stream block, 4-axis RoPE, the text width 3 × the
+    tiny text encoder's hidden size (the pipelines stack three of its hidden layers)."""
+    from diffusers import Flux2Transformer2DModel
+
+    return Flux2Transformer2DModel(
+        patch_size=1, in_channels=4 * 4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=3 * 16, timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4), guidance_embeds=guidance_embeds)
+
+
+def _flux2_scheduler():
+    """FLUX.2's scheduler config: the pipeline passes its empirical μ, which the exponential time shift uses."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                           base_image_seq_len=256, max_image_seq_len=4096)
+
+
+def _build_flux2(path: Path) -> None:
+    """FLUX.2 [dev]-like: a Mistral3 (Pixtral vision tower unused, 30 text layers so that the pipeline's hidden
+    layers 10, 20, 30 exist), the FLUX.2 VAE with its latent batch norm, a guidance-embedding Flux2 transformer."""
+    from diffusers import Flux2Pipeline
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    tokenizer = tiny_mistral_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids
+    torch.manual_seed(TINY_SEED)
+    text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config=dict(model_type="mistral", vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=30, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                         max_position_embeddings=2048, bos_token_id=ids("<s>"), eos_token_id=ids("</s>"),
+                         pad_token_id=ids("<pad>")),
+        vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, head_dim=8, image_size=32, patch_size=8),
+        image_token_index=ids("[IMG]")))
+    pipe = Flux2Pipeline(scheduler=_flux2_scheduler(), vae=_tiny_flux2_vae(), text_encoder=text_encoder,
+                         tokenizer=tokenizer, transformer=_tiny_flux2_transformer(guidance_embeds=True))
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
+def _build_flux2_klein(path: Path) -> None:
+    """FLUX.2 [klein] base-like: a Qwen3 causal LM (27 layers: the pipeline stacks hidden layers 9, 18, 27) behind
+    Qwen3's chat template with thinking off, the FLUX.2 VAE, a Flux2 transformer without guidance embedding (the
+    base model runs true CFG), is_distilled False."""
+    from diffusers import Flux2KleinPipeline
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = tiny_qwen2_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"], special_tokens=True)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    ids = tokenizer.convert_tokens_to_ids
+    torch.manual_seed(TINY_SEED)
+    text_encoder = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=27,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=2048, rope_theta=1e6,
+        tie_word_embeddings=True, bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"),
+        pad_token_id=ids("<|endoftext|>")))
+    pipe = Flux2KleinPipeline(scheduler=_flux2_scheduler(), vae=_tiny_flux2_vae(), text_encoder=text_encoder,
+                              tokenizer=tokenizer, transformer=_tiny_flux2_transformer(guidance_embeds=False),
+                              is_distilled=False)
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
 TINY_BUILDERS = {"flux1": _build_flux1, "sd3": _build_sd3, "qwen-image": _build_qwen_image, "wan": _build_wan,
                  "flux1-kontext": _build_flux1_kontext, "qwen-image-edit": _build_qwen_image_edit,
-                 "wan-i2v": _build_wan_i2v}
+                 "wan-i2v": _build_wan_i2v, "wan2.2": _build_wan22, "wan2.2-5b": _build_wan22_5b,
+                 "z-image": _build_z_image,
+                 "flux2": _build_flux2, "flux2-klein": _build_flux2_klein}
 
 
 def tiny_model_path(model: str) -> Path:

@@ -20,6 +20,10 @@ called as `__call__(images, prompts, conditions)`: conditions[i] is the list of 
 `__init__` gets `device`/`dtype` only when it names them. A plain function `(images, prompts) -> scores` works
 too (pointwise, no options). Rewards are called under torch.no_grad on detached images; one that raises or
 returns NaN/inf or the wrong number of scores stops the run with an error naming it.
+In training, a pointwise reward is called once per rollout micro-batch, from a worker thread while the next
+micro-batch is denoised (--reward-workers; common/scoring.py), one call at a time unless the score object sets
+`thread_safe = True` (as the remote client does). A reward that draws random numbers should use its own generator:
+draws from torch's global one would interleave with the rollout's.
 """
 
 import importlib
@@ -115,7 +119,10 @@ def _construct(factory, device, dtype, options: dict, spec: str):
         raise UserError(f"--reward {spec!r}: unknown option {unknown[0]!r}; this reward accepts: "
                         f"{', '.join(accepted + ['name'])}")
     kwargs = {k: v for k, v in (("device", device), ("dtype", dtype)) if k in params or takes_any}
-    return factory(**kwargs, **options)
+    try:
+        return factory(**kwargs, **options)
+    except ValueError as error:  # a bad option value (e.g. toy's mode=): one line, as for the other spec errors
+        raise UserError(f"--reward {spec!r}: {error}") from None
 
 
 def load_rewards(specs: list[str], device=None, dtype=torch.float32) -> list[Reward]:

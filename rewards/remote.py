@@ -5,7 +5,9 @@ Server (rewards/server.py; any reward this package loads, built-in or MODULE:ATT
 packages are installed):
     python -m rewards.server --reward pickscore --host 127.0.0.1 --port 8000 [--device cuda] [--dtype bfloat16]
 Client, in the training command:
-    --reward remote:1.0,url=http://127.0.0.1:8000[,timeout=120,retries=3,batch_size=32,name=...]
+    --reward remote:1.0,url=http://127.0.0.1:8000[,timeout=120,retries=3,batch_size=32,connections=4,name=...]
+The client keeps up to `connections` keep-alive connections and has at most that many requests in flight: the
+training scripts' reward workers (--reward-workers) send the rollout's micro-batches concurrently through it.
 
 Protocol: GET /info -> {"name", "groupwise", "wants_conditions", "max_request_bytes"}; POST /score {"prompts":
 [...], "images": [base64 PNG, ...]} (plus "conditions": [[base64 PNG, ...] per sample] for a reward that wants
@@ -24,7 +26,6 @@ import threading
 import time
 import urllib.error
 import urllib.parse
-import urllib.request
 
 import numpy as np
 import torch
@@ -64,10 +65,13 @@ class RemoteReward:
     that answered /info but then hangs is reported as stuck, not unreachable. A request still waiting after
     `notice_after` seconds prints one line saying what it waits for. The server's name and groupwise flag are read
     once, at load, so a down server, or something at the URL that is not a reward server, fails before training
-    with one line. An answer to /score that is not one number per image is a RuntimeError naming the server."""
+    with one line. An answer to /score that is not one number per image is a RuntimeError naming the server.
+    Thread-safe: up to `connections` requests are in flight at once, each on its own kept-alive connection."""
+
+    thread_safe = True  # common.scoring may call it from several threads at once
 
     def __init__(self, url: str = "", timeout: str = "120", retries: str = "3", batch_size: str = "32",
-                 backoff: str = "1.0", notice_after: str = "5"):
+                 backoff: str = "1.0", notice_after: str = "5", connections: str = "4"):
         try:
             parts = urllib.parse.urlsplit(url)
             parts.port  # noqa: B018 (raises ValueError for a port that is not a number)
@@ -78,10 +82,13 @@ class RemoteReward:
         try:
             self.timeout, self.retries = float(timeout), int(retries)
             self.batch_size, self.backoff = int(batch_size), float(backoff)
-            self.notice_after = float(notice_after)
+            self.notice_after, self.connections = float(notice_after), int(connections)
         except ValueError:
-            raise UserError("remote reward options timeout/backoff must be numbers and retries/batch_size "
-                            "integers") from None
+            raise UserError("remote reward options timeout/backoff must be numbers and retries/batch_size/"
+                            "connections integers") from None
+        if self.connections < 1:
+            raise UserError(f"remote reward option connections= must be at least 1, got {self.connections}")
+        self.parts, self.idle, self.slots = parts, [], threading.BoundedSemaphore(self.connections)
         self.url, self.reached, self.max_request_bytes = url.rstrip("/"), False, None
         not_a_server = "(is it a reward server? python -m rewards.server)"
         try:
@@ -100,14 +107,53 @@ class RemoteReward:
         self.wants_conditions = info.get("wants_conditions", False)
         self.max_request_bytes = info.get("max_request_bytes")
 
-    def _open(self, request, what: str):
-        """urlopen in a thread, so that a slow server is reported after a few seconds instead of in silence."""
+    def _connect(self) -> http.client.HTTPConnection:
+        kind = http.client.HTTPSConnection if self.parts.scheme == "https" else http.client.HTTPConnection
+        return kind(self.parts.hostname, self.parts.port, timeout=self.timeout)
+
+    def _exchange(self, route: str, data: bytes | None) -> bytes:
+        """One request on a pooled connection; an error status raises urllib's HTTPError, a failure to connect its
+        URLError, as urlopen would. A kept-alive connection that the server closed meanwhile (its idle --timeout)
+        is replaced once, without counting as a try."""
+        with self.slots:
+            try:
+                connection, reused = self.idle.pop(), True
+            except IndexError:  # none idle (the pop is atomic: other threads may take one meanwhile)
+                connection, reused = self._connect(), False
+            while True:
+                try:
+                    connection.request("GET" if data is None else "POST", self.parts.path.rstrip("/") + route,
+                                       body=data, headers={"Content-Type": "application/json"})
+                    response = connection.getresponse()
+                    body = response.read()
+                    break
+                except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                    connection.close()
+                    if not reused:
+                        raise
+                    reused, connection = False, self._connect()
+                except (TimeoutError, socket.timeout, ConnectionError, http.client.HTTPException):
+                    connection.close()
+                    raise
+                except OSError as error:  # e.g. an unknown host name
+                    connection.close()
+                    raise urllib.error.URLError(error) from None
+            if response.will_close:
+                connection.close()
+            else:
+                self.idle.append(connection)
+        if response.status >= 400:
+            raise urllib.error.HTTPError(self.url + route, response.status, response.reason, response.headers,
+                                         io.BytesIO(body))
+        return body
+
+    def _open(self, route: str, data: bytes | None, what: str):
+        """The request in a thread, so that a slow server is reported after a few seconds instead of in silence."""
         result = {}
 
         def fetch():
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    result["body"] = response.read()
+                result["body"] = self._exchange(route, data)
             except BaseException as error:  # re-raised in the caller's thread
                 result["error"] = error
 
@@ -134,13 +180,12 @@ class RemoteReward:
                      f"lower batch_size= (now {self.batch_size})")
             raise UserError(f"a {what} request is {len(data)} bytes, over the {self.max_request_bytes} that reward "
                             f"server {self.url} accepts: {fewer}, or restart the server with a larger --max-request-mb")
-        request = urllib.request.Request(self.url + route, data=data, headers={"Content-Type": "application/json"})
         reason, answered = "", False
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
-                return self._open(request, what)
+                return self._open(route, data, what)
             except urllib.error.HTTPError as error:
                 body = error.read().decode(errors="replace")
                 if error.code not in RETRYABLE_STATUS:

@@ -1,15 +1,18 @@
 """Reference reward server (protocol in rewards/remote.py): wraps any reward this package can load.
 
     python -m rewards.server --reward pickscore --host 127.0.0.1 --port 8000 [--device cuda] [--dtype bfloat16]
-        [--timeout 60] [--max-request-mb 512]
+        [--timeout 60] [--max-request-mb 512] [--concurrency 1]
 
-One server can serve several training jobs at once: each connection is read in its own thread, so an idle or
-stalled client holds no one up, and only the scoring itself runs one request at a time (reward models are not
-thread-safe). A connection silent for --timeout seconds is dropped; a request body over --max-request-mb is refused
-with 413 before it is read.
+One server can serve several training jobs, and the concurrent micro-batches of each, at once: every connection
+(kept alive between requests, HTTP/1.1) is read and answered in its own thread, with no limit on their number, so an
+idle or stalled client holds no one up; each request is answered on the connection it came on, so answers cannot
+mix. The scoring itself runs --concurrency requests at a time (default 1: reward models are not thread-safe; raise
+it for a reward that is, e.g. one that waits on an API). A connection silent for --timeout seconds is dropped; a
+request body over --max-request-mb is refused with 413 before it is read.
 """
 
 import json
+import socket
 import sys
 import threading
 from dataclasses import dataclass
@@ -27,6 +30,20 @@ DEFAULT_MAX_REQUEST_MB = 512
 class RewardServer(ThreadingHTTPServer):
     requests_served = 0
 
+    def __init__(self, *args, **kwargs):
+        self.open_connections, self.connections_lock = set(), threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def server_close(self):
+        # Kept-alive connections outlive `shutdown`: close them too, so that a stopped server answers no one.
+        super().server_close()
+        with self.connections_lock:
+            for connection in self.open_connections:
+                try:
+                    connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
     def handle_error(self, request, client_address):
         # A client that stops reading or writing mid-request (socket timeout, reset): one line, not a traceback.
         print(f"reward server: dropped the connection from {client_address[0]}:{client_address[1]} "
@@ -34,19 +51,32 @@ class RewardServer(ThreadingHTTPServer):
 
 
 def make_server(reward, host: str = "127.0.0.1", port: int = 0, timeout: float = DEFAULT_TIMEOUT,
-                max_request_bytes: int = DEFAULT_MAX_REQUEST_MB * 2**20) -> RewardServer:
-    """An HTTP server around a loaded Reward: requests are read concurrently and scored one at a time; a connection
-    silent for `timeout` seconds is dropped, a body over `max_request_bytes` refused (413) unread."""
-    score_lock, socket_timeout = threading.Lock(), timeout
+                max_request_bytes: int = DEFAULT_MAX_REQUEST_MB * 2**20, concurrency: int = 1) -> RewardServer:
+    """An HTTP server around a loaded Reward: requests are read concurrently and scored `concurrency` at a time; a
+    connection silent for `timeout` seconds is dropped, a body over `max_request_bytes` refused (413) unread."""
+    score_slots, socket_timeout = threading.BoundedSemaphore(concurrency), timeout
 
     class Handler(BaseHTTPRequestHandler):
         timeout = socket_timeout  # set on the socket by StreamRequestHandler: bounds each read and write, not scoring
+        protocol_version = "HTTP/1.1"  # keep-alive: a client's pooled connections carry one request after another
+
+        def setup(self):
+            super().setup()
+            with self.server.connections_lock:
+                self.server.open_connections.add(self.connection)
+
+        def finish(self):
+            with self.server.connections_lock:
+                self.server.open_connections.discard(self.connection)
+            super().finish()
 
         def _send(self, status: int, payload: dict):
             body = json.dumps(payload).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(body)
 
@@ -63,6 +93,8 @@ def make_server(reward, host: str = "127.0.0.1", port: int = 0, timeout: float =
                 length = int(self.headers.get("Content-Length", ""))
             except ValueError:
                 length = -1
+            if length < 0 or length > max_request_bytes:
+                self.close_connection = True  # the body is left unread: the connection cannot carry another request
             if length < 0:
                 return self._send(411, {"error": "POST /score needs a Content-Length header (the body's bytes)"})
             if length > max_request_bytes:  # answered without reading the body; the connection then closes
@@ -71,6 +103,7 @@ def make_server(reward, host: str = "127.0.0.1", port: int = 0, timeout: float =
                                                  f"request"})
             data = self.rfile.read(length)  # a client silent for `timeout` seconds raises TimeoutError: dropped
             if len(data) < length:  # the client hung up mid-body: nobody to answer
+                self.close_connection = True
                 return
             try:
                 request = json.loads(data)
@@ -81,8 +114,9 @@ def make_server(reward, host: str = "127.0.0.1", port: int = 0, timeout: float =
             except Exception as error:
                 return self._send(400, {"error": f"malformed request: {error}"})
             try:
-                with score_lock:
+                with score_slots:
                     scores = call_reward(reward, images, prompts, conditions)
+                with self.server.connections_lock:
                     self.server.requests_served += 1
             except Exception as error:  # reported to the client, which stops its run with this message
                 return self._send(500, {"error": str(error)})
@@ -95,7 +129,6 @@ def make_server(reward, host: str = "127.0.0.1", port: int = 0, timeout: float =
             print(f"reward server: {self.client_address[0]}:{self.client_address[1]}: {format % args}",
                   file=sys.stderr, flush=True)
 
-    return RewardServer((host, port), Handler)
     return RewardServer((host, port), Handler)
 
 
@@ -117,6 +150,9 @@ class ServerArgs:
     max_request_mb: float = DEFAULT_MAX_REQUEST_MB
     """largest request body, in MiB: a larger one is refused (413) before it is read; clients learn the limit from
     /info and refuse a larger request themselves, naming batch_size="""
+    concurrency: int = 1
+    """requests scored at once (connections are read and answered concurrently whatever this is); above 1 only for
+    a reward that is thread-safe"""
 
 
 if __name__ == "__main__":
@@ -135,10 +171,13 @@ if __name__ == "__main__":
     for flag, value in (("--timeout", args.timeout), ("--max-request-mb", args.max_request_mb)):
         if not 0 < value < math.inf:
             raise UserError(f"{flag} must be a positive number, got {value}")
+    if args.concurrency < 1:
+        raise UserError(f"--concurrency must be at least 1, got {args.concurrency}")
     device = torch.device(args.device)
     (reward,) = load_rewards([args.reward], device, resolve_dtype(args.dtype, device))
     try:
-        server = make_server(reward, args.host, args.port, args.timeout, int(args.max_request_mb * 2**20))
+        server = make_server(reward, args.host, args.port, args.timeout, int(args.max_request_mb * 2**20),
+                             args.concurrency)
     except OSError as error:
         raise UserError(f"cannot listen on {args.host}:{args.port} ({error.strerror or error}): another server may "
                         f"be running there (jobs can share one: give them all its url=), or choose another --port") \

@@ -161,15 +161,20 @@ def check_image(objects: list[dict], prompt: str, height: int, width: int) -> di
     )
 
 
+MODES = ("partial", "strict", *CHECKS)
+
+
 class ToyReward:
     """`--reward toy[,mode=strict]`: the toy world's checks; `partial` (default) scores the mean of the five
-    checks, `strict` 1 when all hold, else 0. Images of any square resolution (the object threshold scales)."""
+    checks, `strict` 1 when all hold, else 0, and a check's name (`mode=count`) that check alone, 1 or 0 (a
+    single-skill reward, e.g. for the teachers of algos/opd.py). Images of any square resolution (the object
+    threshold scales)."""
 
     groupwise = False
 
     def __init__(self, mode: str = "partial"):
-        if mode not in ("partial", "strict"):
-            raise ValueError(f"toy reward mode {mode!r} is neither 'partial' nor 'strict'")
+        if mode not in MODES:
+            raise ValueError(f"toy reward mode {mode!r} is not one of {', '.join(MODES)}")
         self.mode = mode
 
     def checks(self, images, prompts) -> dict[str, np.ndarray]:

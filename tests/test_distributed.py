@@ -20,6 +20,7 @@ BLOCKS = {  # the diffusers block classes each model's FSDP2 config wraps
     "sd3": ("SD3Transformer2DModel", {"JointTransformerBlock"}),
     "qwen-image": ("QwenImageTransformer2DModel", {"QwenImageTransformerBlock"}),
     "wan": ("WanTransformer3DModel", {"WanTransformerBlock"}),
+    "z-image": ("ZImageTransformer2DModel", {"ZImageTransformerBlock"}),
 }
 SKIP = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "peak_memory_gb"}
 

@@ -93,6 +93,9 @@ def test_registered_and_modes():
     assert toy.name == "toy" and list(toy.score(images, ["a red circle", "a blue circle"])) == [1.0, 0.0]
     with pytest.raises(ValueError):
         ToyReward(mode="lenient")
+    with pytest.raises(UserError, match=r"^--reward 'toy,mode=lenient': toy reward mode 'lenient' is not one of partial, "
+                       r"strict, colour"):
+        load_rewards(["toy,mode=lenient"])
 
 
 def test_model_path_toy_resolves_to_the_shipped_folder():

@@ -8,12 +8,15 @@ Weights live in the model dtype (bf16 on GPUs); everything that leaves `velocity
 import torch
 
 from common.models.flux import FluxAdapter
+from common.models.flux2 import Flux2Adapter, Flux2KleinAdapter
 from common.models.kontext import FluxKontextAdapter
 from common.models.qwen_image_edit import QwenImageEditAdapter
 from common.models.wan_i2v import WanImageToVideoAdapter
 from common.models.qwen_image import QwenImageAdapter
 from common.models.sd3 import SD3Adapter
 from common.models.wan import WanAdapter
+from common.models.wan22 import Wan22Adapter, Wan22TI2VAdapter
+from common.models.z_image import ZImageAdapter
 from common.utils import UserError
 
 DEFAULT_MODEL_PATHS = {
@@ -24,6 +27,11 @@ DEFAULT_MODEL_PATHS = {
     "flux1-kontext": "black-forest-labs/FLUX.1-Kontext-dev",
     "qwen-image-edit": "Qwen/Qwen-Image-Edit-2511",
     "wan-i2v": "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
+    "wan2.2": "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+    "wan2.2-5b": "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+    "flux2": "black-forest-labs/FLUX.2-dev",
+    "flux2-klein": "black-forest-labs/FLUX.2-klein-base-9B",  # the non-distilled base
+    "z-image": "Tongyi-MAI/Z-Image-Turbo",  # the distilled one; Tongyi-MAI/Z-Image is its base
 }
 MODELS = tuple(DEFAULT_MODEL_PATHS)
 
@@ -43,15 +51,18 @@ def resolve_model_path(model: str, model_path: str | None) -> str:
 
 ADAPTERS = {"flux1": FluxAdapter, "sd3": SD3Adapter, "qwen-image": QwenImageAdapter, "wan": WanAdapter,
             "flux1-kontext": FluxKontextAdapter, "qwen-image-edit": QwenImageEditAdapter,
-            "wan-i2v": WanImageToVideoAdapter}
+            "wan-i2v": WanImageToVideoAdapter, "wan2.2": Wan22Adapter, "wan2.2-5b": Wan22TI2VAdapter,
+            "flux2": Flux2Adapter, "flux2-klein": Flux2KleinAdapter,
+            "z-image": ZImageAdapter}
 
 
 def load_adapter(model: str, model_path: str | None, device, dtype: torch.dtype, resolution: int,
                  max_sequence_length: int = 512, load_text_encoders: bool = True, text_only: bool = False,
-                 num_frames: int | None = None, condition_size: int | None = None):
+                 num_frames: int | None = None, condition_size: int | None = None, train_experts: str | None = None):
     """The adapter of `model`; `load_text_encoders=False` when training from the embedding cache,
     `text_only=True` to load nothing but the text encoders and condition encoders (preprocess.py). `num_frames`
-    (video models only) and `condition_size` (conditioned models only) default to the adapter's own."""
+    (video models only) and `condition_size` (conditioned models only) default to the adapter's own;
+    `train_experts` (high, low or both: whose LoRA is trained) applies to two-expert models only."""
     if model not in ADAPTERS:
         raise UserError(f"unknown model {model!r}; choose one of: {', '.join(ADAPTERS)}")
     extra = {}
@@ -63,6 +74,10 @@ def load_adapter(model: str, model_path: str | None, device, dtype: torch.dtype,
         if ADAPTERS[model].condition_images[1] == 0:
             raise UserError(f"condition_size applies to conditioned models, not to {model}")
         extra["condition_size"] = condition_size
+    if train_experts is not None:
+        if not getattr(ADAPTERS[model], "two_experts", False):
+            raise UserError(f"train_experts applies to two-expert models (wan2.2), not to {model}")
+        extra["train_experts"] = train_experts
     path = resolve_model_path(model, model_path)
     return ADAPTERS[model](path, device, dtype, resolution, max_sequence_length, load_text_encoders, text_only,
                            **extra)

@@ -25,6 +25,7 @@ class _Adapter:
     condition_images: tuple[int, int | None] = (0, 0)
     video = False  # decodes (batch, frames, 3, H, W) and takes num_frames
     condition_components: tuple[str, ...] = ()
+    model_components: tuple[str, ...] = ("transformer", "vae")  # what text_only (preprocess.py) leaves unloaded
 
     def _load(self, model_path: str, device, dtype: torch.dtype, load_text_encoders: bool, text_only: bool,
               max_sequence_length: int) -> None:
@@ -41,7 +42,7 @@ class _Adapter:
         self.offload_device = torch.device("cpu")
         skip = {} if load_text_encoders else {name: None for name in self.text_components}
         if text_only:  # preprocess.py: only the text encoders (and what encodes the conditions)
-            skip.update({name: None for name in ("transformer", "vae") if name not in self.condition_components})
+            skip.update({name: None for name in self.model_components if name not in self.condition_components})
         try:
             found = diffusers.DiffusionPipeline.load_config(model_path).get("_class_name")
             if found != self.pipeline_class_name:

@@ -32,9 +32,7 @@ class WanAdapter(_Adapter):
         self._load(model_path, device, dtype, load_text_encoders, text_only, max_sequence_length)
         if text_only:
             return
-        if self.pipe.transformer_2 is not None or self.pipe.config.get("expand_timesteps", False):
-            raise UserError(f"{model_path!r} is a Wan2.2 two-expert or per-token-timestep checkpoint; only "
-                            f"single-transformer Wan2.1-style text-to-video checkpoints are supported")
+        self._check_checkpoint(model_path)
         self.vae_scale_factor = self.pipe.vae_scale_factor_spatial
         self.temporal_factor = self.pipe.vae_scale_factor_temporal
         self._check_resolution(resolution, self.vae_scale_factor * self.config.patch_size[1])
@@ -43,6 +41,11 @@ class WanAdapter(_Adapter):
                             f"as the Wan VAE requires")
         self.height = self.width = resolution
         self.num_frames = num_frames
+
+    def _check_checkpoint(self, model_path: str) -> None:
+        if self.pipe.transformer_2 is not None or self.pipe.config.get("expand_timesteps", False):
+            raise UserError(f"{model_path!r} is a Wan2.2 two-expert or per-token-timestep checkpoint: use --model "
+                            f"wan2.2 or wan2.2-5b")
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -82,8 +85,19 @@ class WanAdapter(_Adapter):
         batch of 2B and combine as v_neg + w·(v_pos − v_neg), as the pipeline does."""
         batch = latents.shape[0]
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(batch)
-        timestep, embeds, x = self._timestep(sigma), cond["prompt_embeds"], latents
         cfg = self._with_negatives(cond, guidance_scale)
+        return self._guided(latents, sigma, cond, guidance_scale if cfg else None, transformer)
+
+    def _transformer_timestep(self, sigma: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        """The timestep input of the transformer (Wan2.2-5B: one per latent token)."""
+        return self._timestep(sigma)
+
+    def _guided(self, latents: torch.Tensor, sigma: torch.Tensor, cond: dict[str, torch.Tensor], guidance_scale,
+                transformer) -> torch.Tensor:
+        """The transformer's output at per-sample σ; with `guidance_scale` (a number, or per sample shaped to
+        broadcast over the latents; None: no CFG) negative and positive conditioning run as one batch."""
+        timestep, embeds, x = self._transformer_timestep(sigma, latents), cond["prompt_embeds"], latents
+        cfg = guidance_scale is not None
         if cfg:
             embeds = torch.cat([cond["negative_prompt_embeds"], embeds])
             x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])

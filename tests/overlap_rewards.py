@@ -1,0 +1,63 @@
+"""Rewards for tests/test_rewards_overlap.py and benchmarks/rewards_overlap.py, loaded as MODULE:ATTR (the tests put
+this folder on PYTHONPATH)."""
+
+import time
+
+
+class GroupContrast:
+    """Groupwise: each sample's mean brightness minus its group's mean (so a score depends on the whole group)."""
+
+    groupwise = True
+
+    def __call__(self, images, prompts):
+        brightness = images.double().flatten(1).mean(1)
+        return brightness - brightness.mean()
+
+
+class Boom:
+    """Raises on its second call (the first micro-batch scores, the second fails)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, images, prompts):
+        self.calls += 1
+        if self.calls == 2:
+            raise ValueError("boom on the second micro-batch")
+        return [0.0] * len(prompts)
+
+
+class OneShort:
+    """Returns one score fewer than images."""
+
+    def __call__(self, images, prompts):
+        return [0.0] * (len(prompts) - 1)
+
+
+class Sleepy:
+    """Waits `seconds` per call, then scores mean brightness: a stand-in for a slow model or API."""
+
+    def __init__(self, seconds: str = "0.1"):
+        self.seconds = float(seconds)
+
+    def __call__(self, images, prompts):
+        time.sleep(self.seconds)
+        return images.double().flatten(1).mean(1)
+
+
+class StopsTheRun:
+    """Sends SIGTERM to its own process on its first call, from whichever thread calls it (a scheduler's
+    preemption arriving while the epoch is being scored), then scores mean brightness."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, images, prompts):
+        import os
+        import signal
+
+        self.calls += 1
+        if self.calls == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)  # still scoring when the signal lands
+        return images.double().flatten(1).mean(1)
