@@ -21,7 +21,7 @@ from accelerate import Accelerator
 
 from common.cache import PromptEncoder, cache_texts, condition_inputs, find_cache
 from common.checkpoint import load_full_state_into, load_lora_state_into, newest_complete_checkpoint
-from common.cli import CONDITIONED_MODELS, TrainArgs, check_finite
+from common.cli import CONDITIONED_MODELS, ModelName, TrainArgs, check_finite, cli_one_line
 from common.data import DEFAULT_DATASET, check_conditions, load_prompts
 from common.evaluation import evaluate_prompts
 from common.models import ADAPTERS, load_adapter, resolve_model_path
@@ -30,8 +30,6 @@ from common.training import EMA, add_lora, trainable_parameters
 from common.utils import UserError, install_user_error_hook, quiet_libraries, resolve_dtype
 from rewards import load_run_rewards
 
-MODELS = Literal["flux1", "sd3", "qwen-image", "wan", "flux1-kontext", "qwen-image-edit", "wan-i2v",
-                 "z-image", "flux2", "flux2-klein"]
 
 
 @dataclass
@@ -51,7 +49,7 @@ class Args:
     grid_dir: str = "runs/evaluate"
     """folder for each scored model's captioned sample grid"""
     # The model, data and evaluation; unset ones come from the run (with --run) or take the training defaults.
-    model: MODELS | None = None
+    model: ModelName | None = None
     """model family (without --run: flux1)"""
     model_path: str | None = None
     """hub id or local folder of the pipeline; `tiny` / `toy` for the offline ones"""
@@ -191,7 +189,7 @@ def table(results: list[dict]) -> str:
 def main() -> None:
     install_user_error_hook()
     quiet_libraries()
-    args = tyro.cli(Args, description="Score models and runs on a dataset's test split (the training scripts' "
+    args = cli_one_line(Args, description="Score models and runs on a dataset's test split (the training scripts' "
                                       "evaluation; see the header of evaluate.py).")
     check(args)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())

@@ -13,7 +13,7 @@ from accelerate import Accelerator
 
 from common.cache import (build_cache, cache_entries, condition_inputs, default_cache_root, fingerprint_inputs,
                           open_cache)
-from common.cli import parse_args
+from common.cli import ModelName, parse_args
 from common.data import DEFAULT_DATASET, check_conditions, load_prompts
 from common.models import ADAPTERS, load_adapter, resolve_model_path
 from common.utils import UserError, resolve_dtype
@@ -21,8 +21,7 @@ from common.utils import UserError, resolve_dtype
 
 @dataclass
 class Args:
-    model: Literal["flux1", "sd3", "qwen-image", "wan", "flux1-kontext", "qwen-image-edit", "wan-i2v",
-                   "z-image", "flux2", "flux2-klein"] = "flux1"
+    model: ModelName = "flux1"
     """model family"""
     model_path: str | None = None
     """hub id or local folder of the pipeline; `tiny` or `toy` for the offline ones (unset: the published model)"""

@@ -18,6 +18,10 @@ from common.training import check_updates_per_epoch
 from common.utils import UserError, avoid_cudnn_attention, install_user_error_hook, quiet_libraries
 
 # Kept here, not read off the adapters, so that parsing flags imports no model code (tests check they agree).
+# Every --model name (common.models.ADAPTERS has one adapter per name; tests/test_models.py checks they agree), here
+# so that the scripts, preprocess.py and evaluate.py parse it without importing the adapters.
+ModelName = Literal["flux1", "sd3", "qwen-image", "wan", "flux1-kontext", "qwen-image-edit", "wan-i2v", "flux2",
+                    "flux2-klein", "z-image", "wan2.2", "wan2.2-5b"]
 VIDEO_MODELS = ("wan", "wan-i2v", "wan2.2", "wan2.2-5b")
 CONDITIONED_MODELS = ("flux1-kontext", "qwen-image-edit", "wan-i2v")
 
@@ -49,8 +53,7 @@ class TrainArgs:
     """continue from the newest complete checkpoint in --output-dir"""
 
     # Model
-    model: Literal["flux1", "sd3", "qwen-image", "wan", "flux1-kontext", "qwen-image-edit", "wan-i2v",
-                   "z-image", "wan2.2", "wan2.2-5b", "flux2", "flux2-klein"] = "flux1"
+    model: ModelName = "flux1"
     """model family (flux1-kontext, qwen-image-edit: image editing; wan-i2v: image-to-video; their datasets give
     each prompt a condition image)"""
     model_path: str | None = None

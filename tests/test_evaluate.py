@@ -67,3 +67,4 @@ def test_a_model_given_by_flags_and_several_runs(tmp_path, tiny_flux_path):
 def test_bad_input_is_one_line(tmp_path):
     assert "no checkpoint (not a run folder" in script_error("evaluate.py", "--run", tmp_path)
     assert "--eval-seeds must be at least 1" in script_error("evaluate.py", "--model-path", "tiny", "--eval-seeds", "0")
+    assert script_error("evaluate.py", "--model", "wan9").startswith("error: invalid choice 'wan9' for argument '--model'")

@@ -119,3 +119,14 @@ def test_training_scripts_turn_off_cudnn_attention():
     for script in sorted((REPO / "algos").glob("*.py")):
         assert "    args = parse_args(Args, PRESETS" in script.read_text(), script.name
     assert "    avoid_cudnn_attention()\n" in (REPO / "benchmarks" / "flux_step.py").read_text()
+
+
+def test_every_model_name_has_an_adapter_a_default_path_and_a_tiny_build():
+    """The --model names the scripts, preprocess.py and evaluate.py parse (common.cli.ModelName) are the adapters'."""
+    from typing import get_args
+
+    from common.cli import ModelName
+    from common.models import ADAPTERS, DEFAULT_MODEL_PATHS
+    from common.tiny import TINY_BUILDERS
+
+    assert set(get_args(ModelName)) == set(ADAPTERS) == set(DEFAULT_MODEL_PATHS) == set(TINY_BUILDERS)
