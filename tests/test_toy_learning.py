@@ -26,6 +26,9 @@ TOY_LEARNING = {
     "grpo_guard": (11, 0.025, "0.458"),
     "mixgrpo": (11, 0.015, "0.438"),
     "grpo": (41, 0.035, "0.479"),
+    # the 2026 scripts, seen at epoch 40 / 10 of the 3-seed table's seed 1 (docs/algorithms/dppo.md, vgrpo.md)
+    "dppo": (41, 0.03, "0.472"),
+    "vgrpo": (11, 0.045, "0.500"),
 }
 
 
