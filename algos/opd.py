@@ -19,7 +19,7 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from common.checkpoint import LORA_FILE, newest_complete_checkpoint
+from common.checkpoint import LORA_FILE, LORA_FILE_2, newest_complete_checkpoint
 from common.cli import TrainArgs, check_args, parse_args
 from common.data import load_prompts, sample_seeds
 from common.distributed import micro_step
@@ -140,6 +140,9 @@ def teacher_checkpoint(spec: TeacherSpec, model: str) -> Path:
         raise UserError(f"--teacher {spec.name}: {folder} has no {LORA_FILE}" + (
             " (a full fine-tune: teachers are LoRA adapters)" if full else
             " (give a checkpoint folder or a run's --output-dir)"))
+    if (folder / LORA_FILE_2).exists():  # Wan2.2's low-noise expert: a teacher here is one adapter on one module
+        raise UserError(f"--teacher {spec.name}: {folder} also holds {LORA_FILE_2} (a two-expert model); opd's "
+                        f"teachers are single-transformer LoRAs")
     meta = folder / "meta.json"
     trained_on = json.loads(meta.read_text()).get("model") if meta.exists() else None
     if trained_on is not None and trained_on != model:

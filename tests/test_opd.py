@@ -336,6 +336,9 @@ def bad_data(tmp_path_factory):
                                                          + "\n" for p, t in lines))
         (root / name / "test.txt").write_text("a cat\n")
     (root / "full" / "checkpoints" / "epoch_000000" / "transformer").mkdir(parents=True)
+    (root / "experts").mkdir()  # a Wan2.2 checkpoint's two LoRA files (their content is not read)
+    for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_transformer_2.safetensors"):
+        (root / "experts" / name).write_bytes(b"")
     return root
 
 
@@ -347,6 +350,7 @@ def bad_data(tmp_path_factory):
     (["--teacher", "a=TEACHER", "--teacher", "a=TEACHER"], "--teacher 'a' is given twice"),
     (["--teacher", "a=/nonexistent/teacher"], "--teacher a: /nonexistent/teacher is not a folder"),
     (["--teacher", "a=BAD/full"], "(it is a full fine-tune: teachers are LoRA adapters)"),
+    (["--teacher", "a=BAD/experts"], "(a two-expert model); opd's teachers are single-transformer LoRAs"),
     (["--teacher", "a=TEACHER", "--dataset", "BAD/tagged"], "task 'b' has no teacher (teachers: a)"),
     (["--teacher", "a=TEACHER", "--teacher", "b=TEACHER", "--teacher", "c=TEACHER", "--dataset", "BAD/tagged",
       "--prompts-per-epoch", "3"], "--teacher c: no training prompt has task 'c' (tasks: a, b)"),
