@@ -268,6 +268,21 @@ def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path, teacher_run):
     assert strip(read_metrics(killed)) == strip(read_metrics(tmp_path / "full"))
 
 
+def test_rewards_scored_during_the_rollout_equal_serial_scoring(tmp_path, teacher_run):
+    """--reward-workers 0 (score after the rollout) and the default (score each micro-batch on threads while the next
+    is denoised) log the same rewards and metrics and train the same weights."""
+    from safetensors.torch import load_file
+
+    args = TINY + ["--epochs", "2", "--eval-every", "0", "--batch-size", "2", "--teacher", f"t={teacher_run}"]
+    run_script("algos/opd.py", *args, "--reward-workers", "0", "--output-dir", tmp_path / "serial")
+    run_script("algos/opd.py", *args, "--output-dir", tmp_path / "overlapped")
+    strip = lambda ms: [{k: v for k, v in m.items() if k not in TIME_KEYS} for m in ms]  # noqa: E731
+    assert strip(read_metrics(tmp_path / "serial")) == strip(read_metrics(tmp_path / "overlapped"))
+    a, b = (load_file(tmp_path / run / "checkpoints" / "epoch_000001" / "pytorch_lora_weights.safetensors")
+            for run in ("serial", "overlapped"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_two_processes(tmp_path, teacher_run, tasks_data, tiny):
     args = TINY + ["--epochs", "1", "--eval-every", "0", "--batch-size", "2", "--dataset", tasks_data,
                    "--teacher", f"nft={teacher_run}:3", "--teacher", f"base={tiny[2]['base']}"]
