@@ -21,8 +21,9 @@ os.environ.update(WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"
 
 
 # The longest files first: `pytest -n 2 --dist loadfile` hands out whole files in collection order, and the
-# toy learning tests (8-15 CPU-minutes) collected last would run alone at the end while the other worker idles.
-LONGEST_FIRST = ["test_toy_learning.py", "test_distributed.py"]
+# toy learning tests (13 CPU-minutes) collected last would run alone at the end while the other worker idles.
+# (pyproject.toml turns off xdist's own reordering by file size, which would undo this.)
+LONGEST_FIRST = ["test_toy_learning.py", "test_distributed.py", "test_matrix.py", "test_rewards_overlap.py"]
 
 
 def pytest_collection_modifyitems(items):
