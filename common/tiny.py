@@ -164,20 +164,27 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def tiny_qwen2_tokenizer():
-    """A byte-level BPE Qwen2 tokenizer: the 256 byte symbols, merges that make each word of the Qwen-Image
-    chat template a single token (as in the real vocabulary), and the chat/vision special tokens."""
-    from transformers import Qwen2Tokenizer
-
+def _byte_level_bpe(words) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A byte-level vocabulary (one token per byte) plus, for each word, a left-to-right merge chain (w0+w1,
+    (w0w1)+w2, ...), so that each word is a single token as in a real vocabulary."""
     vocab = {ch: i for i, ch in enumerate(_bytes_to_unicode().values())}
     merges = []
-    for word in _QWEN_TEMPLATE_WORDS:  # left-to-right merge chain: w0+w1, (w0w1)+w2, ...
+    for word in words:
         token = word[0]
         for ch in word[1:]:
             if (token, ch) not in merges:
                 merges.append((token, ch))
             token += ch
             vocab.setdefault(token, len(vocab))
+    return vocab, merges
+
+
+def tiny_qwen2_tokenizer():
+    """A byte-level BPE Qwen2 tokenizer: the 256 byte symbols, merges that make each word of the Qwen-Image
+    chat template a single token (as in the real vocabulary), and the chat/vision special tokens."""
+    from transformers import Qwen2Tokenizer
+
+    vocab, merges = _byte_level_bpe(_QWEN_TEMPLATE_WORDS)
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                 "<|image_pad|>", "<|video_pad|>"]
     for token in specials:
@@ -474,15 +481,7 @@ def tiny_mistral_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    vocab = {ch: i for i, ch in enumerate(_bytes_to_unicode().values())}
-    merges = []
-    for word, _ in pre_tokenizer.pre_tokenize_str(SYSTEM_MESSAGE):
-        token = word[0]
-        for ch in word[1:]:
-            if (token, ch) not in merges:
-                merges.append((token, ch))
-            token += ch
-            vocab.setdefault(token, len(vocab))
+    vocab, merges = _byte_level_bpe([word for word, _ in pre_tokenizer.pre_tokenize_str(SYSTEM_MESSAGE)])
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     backend.pre_tokenizer, backend.decoder = pre_tokenizer, decoders.ByteLevel()
     backend.add_special_tokens(["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
