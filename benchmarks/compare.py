@@ -168,6 +168,9 @@ class Args:
     """first epochs left out of the time-per-epoch means (first calls are slow)"""
     baseline: str = "grpo"
     """algorithm the ratios compare with (no ratios when it is not among --algos)"""
+    stop_at_threshold: bool = False
+    """end each run (SIGKILL) once its curve reaches its threshold: the figures to threshold are unchanged, the
+    rest of the run is not spent (its final and best are then those of the stopped run)"""
 
 
 @dataclass
@@ -234,9 +237,10 @@ class Runner:
         self.lock = threading.Lock()
         self.stopping = threading.Event()
 
-    def run(self, command: list[str], run_dir: Path) -> tuple[int, float, float] | None:
+    def run(self, command: list[str], run_dir: Path, done=None) -> tuple[int, float, float] | None:
         """(exit status, wall seconds, CPU seconds) of one run, None when stopping; stdout and stderr go straight
-        to run_dir/stdout.log and stderr.log."""
+        to run_dir/stdout.log and stderr.log. `done()`, asked every few seconds while the run goes, ends it early
+        (SIGKILL; exit status 0 then) when it returns True."""
         env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": os.environ.get("WANDB_MODE", "disabled")}
         with self.lock:
             if self.stopping.is_set():
@@ -245,9 +249,19 @@ class Runner:
                 start = time.time()
                 process = subprocess.Popen(command, cwd=REPO, env=env, stdout=stdout, stderr=stderr)
             self.live[process.pid] = process
-        _, status, usage = os.wait4(process.pid, 0)
+        ended_early = False
+        while True:
+            pid, status, usage = os.wait4(process.pid, os.WNOHANG if done else 0)
+            if pid:
+                break
+            if not ended_early and done():
+                process.kill()
+                ended_early = True
+            else:
+                time.sleep(2.0)
         wall = time.time() - start
-        process.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+        # reaped here: Popen must not wait for it again
+        process.returncode = 0 if ended_early else os.waitstatus_to_exitcode(status)
         with self.lock:
             del self.live[process.pid]
         return process.returncode, wall, usage.ru_utime + usage.ru_stime
@@ -285,19 +299,35 @@ def run_all(args: Args, plans: dict[str, Plan], out: Path) -> tuple[dict, dict, 
         for algo in args.algos:
             run_dir = out / f"{algo}-{seed}"
             files = run_dir / "wall_time_s.txt", run_dir / "cpu_time_s.txt"
-            if args.reuse and len(epoch_lines(read_metrics(run_dir))) == plans[algo].epochs and all(f.exists() for f in files):
+            finished = (len(epoch_lines(read_metrics(run_dir))) == plans[algo].epochs
+                        or (run_dir / "stopped_at_threshold.txt").exists())
+            if args.reuse and finished and all(f.exists() for f in files):
                 continue
             todo.append((algo, seed, run_dir, files))
     runner = Runner()
 
     def one(algo, seed, run_dir, files):
         run_dir.mkdir(parents=True, exist_ok=True)
-        for path in (run_dir / "metrics.jsonl", *files):
+        stopped = run_dir / "stopped_at_threshold.txt"
+        for path in (run_dir / "metrics.jsonl", stopped, *files):
             path.unlink(missing_ok=True)
         command = command_of(args, algo, seed, plans[algo].epochs, run_dir, plans[algo].preset)
         print(f"[{time.time() - begin:6.0f}s] {algo} seed {seed}: {plans[algo].epochs} epochs of "
               f"{plans[algo].samples_per_epoch} samples", file=sys.stderr, flush=True)
-        result = runner.run(command, run_dir)
+
+        def reached() -> bool:
+            metrics = read_metrics(run_dir, complete_lines_only=True)
+            if not any(key in m for m in metrics):
+                return False
+            values = curve(metrics, key)[3]
+            if len(values) <= args.start_points - 1:
+                return False
+            if first_reach(values, run_threshold(args, values), args.smooth) is None:
+                return False
+            stopped.write_text(f"{epoch_lines(metrics)[-1]['epoch'] if epoch_lines(metrics) else -1}\n")
+            return True
+
+        result = runner.run(command, run_dir, reached if args.stop_at_threshold else None)
         if result is None:
             return
         status, seconds, cpu_seconds = result
@@ -348,9 +378,21 @@ def run_all(args: Args, plans: dict[str, Plan], out: Path) -> tuple[dict, dict, 
     return runs, wall, cpu
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
+def read_metrics(run_dir: Path, complete_lines_only: bool = False) -> list[dict]:
+    """The run's metrics.jsonl; `complete_lines_only` leaves out a last line still being written (a live run)."""
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    if not path.exists():
+        return []
+    text = path.read_text()
+    lines = text.splitlines()
+    if complete_lines_only and not text.endswith("\n"):
+        lines = lines[:-1]
+    return [json.loads(line) for line in lines if line]
+
+
+def run_threshold(args: Args, values: np.ndarray) -> float:
+    """A run's threshold: --threshold, or its own base (the mean of its first --start-points points) + the gain."""
+    return args.threshold if args.threshold is not None else values[: args.start_points].mean() + args.threshold_gain
 
 
 def epoch_lines(metrics: list[dict]) -> list[dict]:
@@ -401,7 +443,7 @@ def summarise(args: Args, runs: dict[str, list[dict]], cpu: dict[str, list[float
         for (seconds, samples, epochs, values), metrics, cpu_s in zip(cs, runs[algo], cpu[algo]):
             row["base"].append(values[0])
             # each run from its own base (the evaluation before its first update), unless --threshold is given
-            own = args.threshold if args.threshold is not None else values[: args.start_points].mean() + args.threshold_gain
+            own = run_threshold(args, values)
             row["threshold"].append(own)
             row["final"].append(values[-max(1, math.ceil(0.1 * len(values))):].mean())
             row["best"].append(values.max())

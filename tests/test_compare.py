@@ -193,3 +193,21 @@ def test_bad_flags():
     assert result.returncode == 2 and "less than one epoch of grpo's M·K" in result.stderr, result.stderr
     result = run_script("benchmarks/compare.py", "--extra-args=--seed 3", check=False)
     assert result.returncode == 2 and "--extra-args sets --seed" in result.stderr, result.stderr
+
+
+def test_stop_at_threshold(tmp_path):
+    """--stop-at-threshold ends a run once its curve reaches its threshold: here the untrained model's own
+    evaluation does, so the run stops long before its 20 epochs, and --reuse keeps the stopped run."""
+    out = tmp_path / "compare"
+    flags = ["--algos", "nft", *SMOKE[3:]]
+    flags[flags.index("--budget") + 1] = "320"  # 20 epochs of M·K = 16
+    run_script("benchmarks/compare.py", *flags, "--output-dir", out, "--threshold", "-1000", "--stop-at-threshold",
+               timeout=300)
+    metrics = read_metrics(out / "nft-1", base=True)
+    assert metrics[0]["epoch"] == -1 and len(metrics) < 1 + 20
+    assert (out / "nft-1" / "stopped_at_threshold.txt").exists()
+    table = parse_table((out / "results.md").read_text())
+    assert table["nft"]["reached"] == "1/1" and table["nft"]["epochs to threshold"].startswith("0.000")
+    stamp = (out / "nft-1" / "metrics.jsonl").stat().st_mtime_ns
+    run_script("benchmarks/compare.py", *flags, "--output-dir", out, "--threshold", "-1000", "--reuse")
+    assert (out / "nft-1" / "metrics.jsonl").stat().st_mtime_ns == stamp
