@@ -73,11 +73,12 @@ PRESETS = {
     "toy": dict(TOY_WORLD, epochs=30, prompts_per_epoch=8, group_size=8, batch_size=16, updates_per_epoch=4,
                 num_steps=8, train_timesteps=4, learning_rate=1e-3, lora_rank=16, lora_alpha=16, kl_beta=0.1,
                 eval_every=10, save_every=10),
-    # The toy edit world (docs/toy-edit-world.md): the toy setting on its FLUX.1 Kontext, untuned (held-out edits
-    # did not rise in the runs measured there).
-    "toy-edit": dict(TOY_EDIT_WORLD, epochs=30, prompts_per_epoch=8, group_size=8, batch_size=16, updates_per_epoch=4,
-                     num_steps=8, train_timesteps=4, learning_rate=1e-3, lora_rank=16, lora_alpha=16, kl_beta=0.1,
-                     eval_every=10, save_every=10),
+    # The toy edit world (docs/toy-edit-world.md): the toy setting, but the strict reward (all six checks; the mean
+    # of the checks moved held-out edits less) and a full fine-tune at lr 1e-4 (LoRA r16 at lr 1e-3 reached +0.08 in
+    # 100 epochs, the full fine-tune +0.10 in 70; seed 1, 16 eval seeds).
+    "toy-edit": dict(TOY_EDIT_WORLD, reward=["toy_edit,mode=strict"], epochs=100, prompts_per_epoch=8, group_size=8,
+                     batch_size=16, updates_per_epoch=4, num_steps=8, train_timesteps=4, full_finetune=True,
+                     learning_rate=1e-4, kl_beta=0.1, eval_every=20, save_every=20),
     # The embedded tiny FLUX.1 on a CPU: a ~80k-parameter model needs ~100× the papers' lr (docs/tiny-models.md).
     # 6 rollout steps, 3 trained σ's and no KL keep an epoch at ~0.25 s.
     "tiny": dict(model_path="tiny", resolution=64, max_sequence_length=32, epochs=50, prompts_per_epoch=2,
