@@ -82,8 +82,8 @@ PRESETS = {
     "toy": dict(TOY_WORLD, epochs=60, prompts_per_epoch=4, group_size=8, batch_size=16, num_steps=8,
                 train_timesteps=4, trunc_steps=5, learning_rate=1e-3, lora_rank=16, lora_alpha=16, beta_dpo=2.0,
                 kl_beta=0.1, eval_every=10, save_every=10),
-    # The toy edit world (docs/toy-edit-world.md): the toy setting on its FLUX.1 Kontext, untuned (held-out edits
-    # did not rise in the runs measured there).
+    # The toy edit world (docs/toy-edit-world.md): the toy setting on its FLUX.1 Kontext, untuned and not measured
+    # on the edit world's current split (nft.py and grpo.py carry the tuned ones).
     "toy-edit": dict(TOY_EDIT_WORLD, epochs=60, prompts_per_epoch=4, group_size=8, batch_size=16, num_steps=8,
                      train_timesteps=4, trunc_steps=5, learning_rate=1e-3, lora_rank=16, lora_alpha=16, beta_dpo=2.0,
                      kl_beta=0.1, eval_every=10, save_every=10),

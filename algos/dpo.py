@@ -77,8 +77,8 @@ PRESETS = {
     "toy": dict(TOY_WORLD, epochs=20, prompts_per_epoch=8, group_size=8, batch_size=16, updates_per_epoch=4,
                 num_steps=8, learning_rate=1e-3, lora_rank=16, lora_alpha=16, dpo_beta=10.0, eval_every=10,
                 save_every=10),
-    # The toy edit world (docs/toy-edit-world.md): the toy setting on its FLUX.1 Kontext, untuned (held-out edits
-    # did not rise in the runs measured there).
+    # The toy edit world (docs/toy-edit-world.md): the toy setting on its FLUX.1 Kontext, untuned and not measured
+    # on the edit world's current split (nft.py and grpo.py carry the tuned ones).
     "toy-edit": dict(TOY_EDIT_WORLD, epochs=20, prompts_per_epoch=8, group_size=8, batch_size=16, updates_per_epoch=4,
                      num_steps=8, learning_rate=1e-3, lora_rank=16, lora_alpha=16, dpo_beta=10.0, eval_every=10,
                      save_every=10),

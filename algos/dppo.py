@@ -70,7 +70,7 @@ PRESETS = {
     "toy": dict(TOY_WORLD, epochs=100, prompts_per_epoch=8, group_size=16, batch_size=32, updates_per_epoch=2,
                 num_steps=8, noise_level=0.7, sde_window_size=2, sde_window_range=(0, 2), learning_rate=3e-4,
                 lora_rank=16, lora_alpha=16, kl_mask_threshold=3e-7, kl_beta=0.04, eval_every=10, save_every=10),
-    # The toy edit world (docs/toy-edit-world.md): the toy setting on its FLUX.1 Kontext, untuned.
+    # The toy edit world (docs/toy-edit-world.md): the toy setting, untuned (nft.py and grpo.py carry tuned ones).
     "toy-edit": dict(TOY_EDIT_WORLD, epochs=100, prompts_per_epoch=8, group_size=16, batch_size=32, updates_per_epoch=2,
                      num_steps=8, noise_level=0.7, sde_window_size=2, sde_window_range=(0, 2), learning_rate=3e-4,
                      lora_rank=16, lora_alpha=16, kl_mask_threshold=3e-7, kl_beta=0.04, eval_every=10, save_every=10),

@@ -56,8 +56,8 @@ PRESETS = {
     "toy": dict(TOY_WORLD, epochs=30, prompts_per_epoch=8, group_size=16, batch_size=32, updates_per_epoch=2,
                 num_steps=6, noise_level=0.7, learning_rate=1e-3, lora_rank=16, lora_alpha=16, clip_range=1e-3,
                 kl_beta=0.04, eval_every=10, save_every=10),
-    # The toy edit world (docs/toy-edit-world.md): the toy setting on its FLUX.1 Kontext, untuned (held-out edits
-    # did not rise in the runs measured there).
+    # The toy edit world (docs/toy-edit-world.md): the toy setting on its FLUX.1 Kontext, untuned and not measured
+    # on the edit world's current split (nft.py and grpo.py carry the tuned ones).
     "toy-edit": dict(TOY_EDIT_WORLD, epochs=30, prompts_per_epoch=8, group_size=16, batch_size=32, updates_per_epoch=2,
                      num_steps=6, noise_level=0.7, learning_rate=1e-3, lora_rank=16, lora_alpha=16, clip_range=1e-3,
                      kl_beta=0.04, eval_every=10, save_every=10),

@@ -69,7 +69,7 @@ PRESETS = {
     "toy": dict(TOY_WORLD, epochs=30, prompts_per_epoch=8, group_size=8, batch_size=16, updates_per_epoch=4,
                 num_steps=8, dynamics="dpm", train_timesteps=4, learning_rate=1e-3, lora_rank=16, lora_alpha=16,
                 kl_old=0.3, kl_beta=0.1, eval_every=10, save_every=10),
-    # The toy edit world (docs/toy-edit-world.md): the toy setting on its FLUX.1 Kontext, untuned.
+    # The toy edit world (docs/toy-edit-world.md): the toy setting, untuned (nft.py and grpo.py carry tuned ones).
     "toy-edit": dict(TOY_EDIT_WORLD, epochs=30, prompts_per_epoch=8, group_size=8, batch_size=16, updates_per_epoch=4,
                      num_steps=8, dynamics="dpm", train_timesteps=4, learning_rate=1e-3, lora_rank=16, lora_alpha=16,
                      kl_old=0.3, kl_beta=0.1, eval_every=10, save_every=10),
