@@ -83,6 +83,7 @@ import tyro
 from PIL import Image, ImageDraw, ImageFont
 
 from common.cli import cli_one_line
+from common.cluster import output_dir_holder
 from common.utils import UserError, install_user_error_hook
 
 REPO = Path(__file__).resolve().parent.parent
@@ -308,6 +309,10 @@ def run_all(args: Args, plans: dict[str, Plan], out: Path) -> tuple[dict, dict, 
 
     def one(algo, seed, run_dir, files):
         run_dir.mkdir(parents=True, exist_ok=True)
+        holder = output_dir_holder(run_dir)
+        if holder is not None:  # another compare.py (or a hand-started run) is running it: clear nothing
+            raise UserError(f"{run_dir} is in use by another run (process {holder}): wait for it to end, or use "
+                            f"another --output-dir")
         stopped = run_dir / "stopped_at_threshold.txt"
         for path in (run_dir / "metrics.jsonl", stopped, *files):
             path.unlink(missing_ok=True)

@@ -56,6 +56,24 @@ def lock_output_dir(output_dir: Path) -> None:
     atexit.register(os.ftruncate, fd, 0)
 
 
+def output_dir_holder(output_dir: Path) -> str | None:
+    """"PID HOST" of the live run that holds OUTPUT_DIR/.lock, or None when no run does (the lock is tried and
+    released at once): for a tool that is about to clear a run folder, as benchmarks/compare.py is."""
+    path = Path(output_dir) / LOCK_FILE
+    if not path.exists():
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.read(fd, 256).decode(errors="replace").strip() or "? ?"
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # closing drops a lock this took
+    return None
+
+
 def stop_after_epoch_on_signals() -> None:
     """From now on SIGTERM and SIGINT only ask the run to stop after the epoch in progress (`requested_stop`)."""
     def handler(signum, frame):

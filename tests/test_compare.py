@@ -211,3 +211,27 @@ def test_stop_at_threshold(tmp_path):
     stamp = (out / "nft-1" / "metrics.jsonl").stat().st_mtime_ns
     run_script("benchmarks/compare.py", *flags, "--output-dir", out, "--threshold", "-1000", "--reuse")
     assert (out / "nft-1" / "metrics.jsonl").stat().st_mtime_ns == stamp
+
+
+def test_a_run_folder_in_use_is_left_alone(tmp_path):
+    """A second compare.py on a run folder another process holds (its .lock) stops with one line and clears
+    nothing: it used to empty the live run's metrics.jsonl and logs before the script refused the folder."""
+    import fcntl
+    import os
+
+    out = tmp_path / "compare"
+    run_dir = out / "nft-1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"epoch": -1}\n')
+    (run_dir / "stdout.log").write_text("epoch=-1\n")
+    fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, b"4242 elsewhere\n")
+    try:
+        result = run_script("benchmarks/compare.py", "--algos", "nft", *SMOKE[3:], "--output-dir", out, check=False)
+    finally:
+        os.close(fd)
+    assert result.returncode == 2
+    assert "in use by another run (process 4242 elsewhere)" in result.stderr.strip().splitlines()[-1]
+    assert (run_dir / "metrics.jsonl").read_text() == '{"epoch": -1}\n'
+    assert (run_dir / "stdout.log").read_text() == "epoch=-1\n"
