@@ -454,19 +454,23 @@ def summarise(args: Args, runs: dict[str, list[dict]], cpu: dict[str, list[float
             row["best"].append(values.max())
             row["cpu_min"].append(cpu_s / 60)
             hit = first_reach(values, own, args.smooth)
+            # an estimate: CPU time spread over the run in proportion to its training seconds; none when the
+            # evaluation before the first update already reaches the threshold (a stopped run may have no epoch)
+            cpu_s_to = None if hit is None else 0.0 if seconds[hit] == 0 else (
+                cpu_s * seconds[hit] / training_seconds(metrics)[-1])
             row["per_seed_samples_to"].append(None if hit is None else samples[hit])
-            row["per_seed_cpu_s_to"].append(None if hit is None else cpu_s * seconds[hit] / training_seconds(metrics)[-1])
+            row["per_seed_cpu_s_to"].append(cpu_s_to)
             if hit is not None:
                 row["reached"] += 1
                 row["epochs_to"].append(epochs[hit])
                 row["time_to"].append(seconds[hit])
                 row["samples_to"].append(samples[hit])
-                # an estimate: CPU time spread over the run in proportion to its training seconds
-                row["cpu_min_to"].append(cpu_s / 60 * seconds[hit] / training_seconds(metrics)[-1])
+                row["cpu_min_to"].append(cpu_s_to / 60)
             timed = epoch_lines(metrics)[args.warmup:] or epoch_lines(metrics)
             for part in ("rollout", "reward", "train"):
-                row[part].append(np.mean([m[f"{part}_time_s"] for m in timed]))
-            row["epoch"].append(np.mean([m["rollout_time_s"] + m["reward_time_s"] + m["train_time_s"] for m in timed]))
+                row[part].append(np.mean([m[f"{part}_time_s"] for m in timed]) if timed else math.nan)
+            row["epoch"].append(np.mean([m["rollout_time_s"] + m["reward_time_s"] + m["train_time_s"] for m in timed])
+                                if timed else math.nan)
         summary[algo] = {k: [None if x is None else float(x) for x in v] if isinstance(v, list) else v
                          for k, v in row.items()}
     return summary, start, threshold

@@ -186,6 +186,26 @@ def test_next_run_starts_each_algorithm_once_then_the_longest():
     assert order == ["b", "a", "c"]
 
 
+def test_a_run_stopped_at_its_base_evaluation():
+    """A run stopped at threshold before any epoch line was written (its base evaluation already reached the
+    threshold; CI caught this race): 0 samples and 0 CPU-seconds to threshold, no error."""
+    spec = importlib.util.spec_from_file_location("compare", REPO / "benchmarks" / "compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    args = compare.Args(algos=["nft"], seeds=[1], metric="eval", threshold=-1000.0, start_points=1, smooth=1)
+    base_only = [{"epoch": -1, "eval_reward_mean": 0.5}]
+    two_epochs = base_only + [{"epoch": e, "samples_seen": 16 * (e + 1), "rollout_time_s": 1.0, "reward_time_s": 0.5,
+                               "train_time_s": 0.5, "eval_reward_mean": 0.6} for e in range(2)]
+    summary, start, threshold = compare.summarise(args, {"nft": [base_only], "grpo": [two_epochs]},
+                                                  {"nft": [3.0], "grpo": [8.0]})
+    assert start == 0.5 and threshold == -1000.0
+    for algo in ("nft", "grpo"):
+        row = summary[algo]
+        assert row["reached"] == 1 and row["per_seed_samples_to"] == [0.0] and row["per_seed_cpu_s_to"] == [0.0]
+        assert row["epochs_to"] == [0.0] and row["cpu_min_to"] == [0.0]
+    assert math.isnan(summary["nft"]["epoch"][0]) and summary["grpo"]["epoch"] == [2.0]
+
+
 def test_bad_flags():
     result = run_script("benchmarks/compare.py", "--algos", "grpo", "ppo", check=False)
     assert result.returncode == 2 and "error: unknown --algos ppo; choose from: awm, crd, dgpo, dpo, " in result.stderr
