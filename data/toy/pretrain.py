@@ -2,6 +2,8 @@
 
     python data/toy/pretrain.py                      # the shipped recipe (about an hour of CPU on one thread)
     python data/toy/pretrain.py --out /tmp/toy --steps 500
+    python data/toy/pretrain.py --continue-from data/toy/model --out /tmp/toy-sft --steps 2000 --pool 32
+                                                     # supervised fine-tuning of the shipped model (its ceiling)
 
 1. Build the pipeline (common/toy.py `build_toy_pipeline`) with a fixed seed: random frozen text encoders.
 2. Train the VAE on renders of the training prompts: the whole VAE first, then the decoder alone with the
@@ -189,6 +191,8 @@ def main() -> None:
     parser.add_argument("--ema", type=float, default=0.995)
     parser.add_argument("--pool", type=int, default=128, help="renders per training prompt for the transformer")
     parser.add_argument("--eval-every", type=int, default=1000)
+    parser.add_argument("--continue-from", type=Path, default=None,
+                        help="a toy pipeline to fine-tune further on the same renders (its VAE kept; no VAE training)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     quiet_libraries()
@@ -198,12 +202,17 @@ def main() -> None:
     reward = ToyReward()
     start = time.process_time()
 
-    pipe = build_toy_pipeline(args.seed)
-    log(f"VAE: {args.vae_steps} steps, then {args.decoder_steps} decoder steps")
-    train_vae(pipe.vae, train, rng, args.vae_steps, args.decoder_steps, args.batch, args.lr)
-    log(f"VAE reconstructions, held-out prompts x 16: {format_checks(vae_report(pipe.vae, test * 16, rng, reward))}")
-    set_latent_scaling(pipe.vae, train * 8, rng)
-    log(f"VAE done, cpu {(time.process_time() - start) / 60:.1f} min")
+    if args.continue_from is not None:  # supervised fine-tuning: that pipeline, its transformer trained further
+        from diffusers import FluxPipeline
+
+        pipe = FluxPipeline.from_pretrained(args.continue_from)
+    else:
+        pipe = build_toy_pipeline(args.seed)
+        log(f"VAE: {args.vae_steps} steps, then {args.decoder_steps} decoder steps")
+        train_vae(pipe.vae, train, rng, args.vae_steps, args.decoder_steps, args.batch, args.lr)
+        log(f"VAE reconstructions, held-out prompts x 16: {format_checks(vae_report(pipe.vae, test * 16, rng, reward))}")
+        set_latent_scaling(pipe.vae, train * 8, rng)
+        log(f"VAE done, cpu {(time.process_time() - start) / 60:.1f} min")
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{args.out.name}-", dir=args.out.parent))
