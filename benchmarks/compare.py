@@ -88,8 +88,10 @@ from common.utils import UserError, install_user_error_hook
 
 REPO = Path(__file__).resolve().parent.parent
 ALGOS = sorted(p.stem for p in (REPO / "algos").glob("*.py"))
+# one colour per script of algos/ (there were 8 for 11 scripts: zip() left the 9th on out of the plot and legend)
 COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
-          (227, 119, 194), (127, 127, 127)]
+          (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207), (0, 0, 128), (0, 0, 0), (128, 0, 0),
+          (0, 128, 128), (255, 215, 0), (106, 61, 154)]
 ALIASES = {"eval": "eval_reward_mean", "train": "reward_mean"}
 # Flags this script passes to every script itself: --extra-args may not set them too.
 MANAGED = ["--preset", "--seed", "--output-dir", "--epochs", "--model", "--model-path", "--reward", "--dataset",

@@ -169,6 +169,8 @@ def test_first_reach_and_ticks():
     assert compare.first_reach(values, 5.0, 1) is None
     assert compare.nice_ticks(0.0, 93.0) == [0.0, 20.0, 40.0, 60.0, 80.0]
     assert np.allclose(compare.nice_ticks(-3.61, -3.38), [-3.6, -3.55, -3.5, -3.45, -3.4])
+    # every script can be drawn in a colour of its own (a 9th script once fell off the plot and its legend)
+    assert len(set(compare.COLORS)) == len(compare.COLORS) >= len(compare.ALGOS)
 
 
 def test_next_run_starts_each_algorithm_once_then_the_longest():
