@@ -123,6 +123,12 @@ def transition(source_prompt: str, instruction: str) -> tuple[str, str, str]:
     return edit.kind, source_value(parse_prompt(source_prompt), edit.kind), edit.value
 
 
+def integer_ids(keys: list) -> np.ndarray:
+    """Each key's index among the distinct keys, in order of first appearance."""
+    index = {}
+    return np.array([index.setdefault(key, len(index)) for key in keys])
+
+
 def edit_split(seed: int = SPLIT_SEED) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """(train, test) pairs: round(20%) of each kind's pairs held out (recolour 108 of 540, reshape 72 of 360, move
     115 of 576: 295 of 1,476), drawn with `seed` and redrawn until every held-out pair's transition (kind, source
@@ -135,12 +141,14 @@ def edit_split(seed: int = SPLIT_SEED) -> tuple[list[tuple[str, str]], list[tupl
     for kind in KINDS:
         mine = [p for p in pairs if parse_instruction(p[1]).kind == kind]
         n = round(TEST_FRACTION * len(mine))
+        # A draw keeps a transition (or scene) in training iff it holds out fewer of its pairs than there are:
+        # counted with integer ids, since thousands of draws are rejected before one is kept.
+        ids = [integer_ids([transition(*p) for p in mine]), integer_ids([source for source, _ in mine])]
+        totals = [np.bincount(i) for i in ids]
         while True:
-            chosen = {mine[i] for i in rng.permutation(len(mine))[:n]}
-            kept = [p for p in mine if p not in chosen]
-            if ({transition(*p) for p in chosen} <= {transition(*p) for p in kept}
-                    and {s for s, _ in chosen} <= {s for s, _ in kept}):
-                held_out |= chosen
+            draw = rng.permutation(len(mine))[:n]
+            if all((np.bincount(i[draw], minlength=len(t)) < t).all() for i, t in zip(ids, totals)):
+                held_out |= {mine[i] for i in draw}
                 break
     return [p for p in pairs if p not in held_out], [p for p in pairs if p in held_out]
 
