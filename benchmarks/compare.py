@@ -88,7 +88,7 @@ from common.utils import UserError, install_user_error_hook
 
 REPO = Path(__file__).resolve().parent.parent
 ALGOS = sorted(p.stem for p in (REPO / "algos").glob("*.py"))
-# one colour per script of algos/ (there were 8 for 11 scripts: zip() left the 9th on out of the plot and legend)
+# one colour per script of algos/ (there were 8 for 11 scripts: zip() left the 9th and later out of the plot)
 COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
           (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207), (0, 0, 128), (0, 0, 0), (128, 0, 0),
           (0, 128, 128), (255, 215, 0), (106, 61, 154)]
@@ -456,7 +456,7 @@ def summarise(args: Args, runs: dict[str, list[dict]], cpu: dict[str, list[float
             row["best"].append(values.max())
             row["cpu_min"].append(cpu_s / 60)
             hit = first_reach(values, own, args.smooth)
-            # an estimate: CPU time spread over the run in proportion to its training seconds; none when the
+            # an estimate: CPU time spread over the run in proportion to its training seconds; 0 when the
             # evaluation before the first update already reaches the threshold (a stopped run may have no epoch)
             cpu_s_to = None if hit is None else 0.0 if seconds[hit] == 0 else (
                 cpu_s * seconds[hit] / training_seconds(metrics)[-1])
@@ -471,8 +471,7 @@ def summarise(args: Args, runs: dict[str, list[dict]], cpu: dict[str, list[float
             timed = epoch_lines(metrics)[args.warmup:] or epoch_lines(metrics)
             for part in ("rollout", "reward", "train"):
                 row[part].append(np.mean([m[f"{part}_time_s"] for m in timed]) if timed else math.nan)
-            row["epoch"].append(np.mean([m["rollout_time_s"] + m["reward_time_s"] + m["train_time_s"] for m in timed])
-                                if timed else math.nan)
+            row["epoch"].append(row["rollout"][-1] + row["reward"][-1] + row["train"][-1])
         summary[algo] = {k: [None if x is None else float(x) for x in v] if isinstance(v, list) else v
                          for k, v in row.items()}
     return summary, start, threshold

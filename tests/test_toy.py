@@ -133,3 +133,21 @@ def test_shipped_model_held_out_score(toy_adapter):
     checks = ToyReward().checks(toy_adapter.decode(x0), prompts)
     assert checks["strict"].mean() == pytest.approx(PINNED["strict"], abs=0.02)
     assert checks["partial"].mean() == pytest.approx(PINNED["partial"], abs=0.01)
+
+
+def test_pretrain_continue_from_trains_only_the_transformer_of_a_shipped_pipeline(tmp_path):
+    """data/toy/pretrain.py --continue-from (supervised fine-tuning, docs/toy-world.md "The ceiling"): the VAE and
+    text encoders are kept byte for byte, the transformer is trained further, and the result loads as a pipeline."""
+    from diffusers import FluxPipeline
+
+    from conftest import REPO, run_script
+
+    model, out = REPO / "data" / "toy" / "model", tmp_path / "sft"
+    run_script("data/toy/pretrain.py", "--continue-from", model, "--out", out, "--steps", "3", "--pool", "1",
+               "--batch", "4", "--warmup", "1", timeout=600)
+    for part in ("vae", "text_encoder", "text_encoder_2"):
+        (name,) = [p.name for p in (model / part).glob("*.safetensors")]
+        assert (out / part / name).read_bytes() == (model / part / name).read_bytes(), part
+    weights = "transformer/diffusion_pytorch_model.safetensors"
+    assert (out / weights).read_bytes() != (model / weights).read_bytes()
+    assert isinstance(FluxPipeline.from_pretrained(out), FluxPipeline)

@@ -2,7 +2,7 @@
 
     python data/toy/pretrain.py                      # the shipped recipe (about an hour of CPU on one thread)
     python data/toy/pretrain.py --out /tmp/toy --steps 500
-    python data/toy/pretrain.py --continue-from data/toy/model --out /tmp/toy-sft --steps 2000 --pool 32
+    python data/toy/pretrain.py --continue-from data/toy/model --out /tmp/toy-sft --steps 4000 --pool 32
                                                      # supervised fine-tuning of the shipped model (its ceiling)
 
 1. Build the pipeline (common/toy.py `build_toy_pipeline`) with a fixed seed: random frozen text encoders.
