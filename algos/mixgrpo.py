@@ -80,7 +80,7 @@ PRESETS = {
     # The toy edit world (docs/toy-edit-world.md): the toy setting with grpo.py's edit changes (the strict reward,
     # LoRA lr 1e-3, clip 1e-2, KL 0.01, evaluated with an EMA of the weights, 0.98 an optimizer step); the window
     # sits at steps 0–1 for 50 epochs, then 1–2: held-out edits +0.09 by epoch 80 in seeds 1–3; once it moves on to
-    # steps 2–3 and 3–4 they fall back (0.52–0.55 by epoch 160), so 100 epochs, about 11 CPU-minutes.
+    # steps 2–3 and 3–4 they fall back (0.52–0.55 by epoch 160), so 100 epochs, about 10 CPU-minutes.
     "toy-edit": dict(TOY_EDIT_WORLD, reward=["toy_edit,mode=strict"], epochs=100, prompts_per_epoch=8, group_size=16,
                      batch_size=32, updates_per_epoch=2, num_steps=8, noise_level=0.7, window_size=2,
                      iters_per_window=50, learning_rate=1e-3, lora_rank=16, lora_alpha=16, clip_range=1e-2,
