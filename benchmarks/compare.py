@@ -77,6 +77,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import tyro
@@ -126,8 +127,8 @@ class Args:
     """model family"""
     model_path: str | None = None
     """pipeline hub id or folder; `tiny` builds the offline tiny model, `toy` is the toy world's FLUX.1"""
-    reward: list[str] | None = None
-    """reward(s), as each script's --reward"""
+    reward: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
+    """reward(s), as each script's --reward: repeat the flag for several (none given: each preset's own)"""
     dataset: str | None = None
     """prompts folder"""
     resolution: int | None = None
@@ -195,7 +196,7 @@ def metric_key(args: Args) -> str:
 def task_overrides(args: Args) -> dict:
     """The task flags given on the command line (None: leave each preset's own value)."""
     names = ["model", "model_path", "reward", "dataset", "resolution", "group_size", "prompts_per_epoch", "num_steps"]
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    return {name: getattr(args, name) for name in names if getattr(args, name) not in (None, [])}
 
 
 def plan_runs(args: Args) -> dict[str, Plan]:

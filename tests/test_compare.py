@@ -188,6 +188,22 @@ def test_next_run_starts_each_algorithm_once_then_the_longest():
     assert order == ["b", "a", "c"]
 
 
+def test_repeated_reward_flags_all_reach_the_script(tmp_path):
+    """`--reward A --reward B` passes both, as the scripts' own --reward does (once only B reached them)."""
+    import tyro
+
+    spec = importlib.util.spec_from_file_location("compare", REPO / "benchmarks" / "compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    args = tyro.cli(compare.Args, args=["--algos", "grpo", "--reward", "toy_edit,mode=strict",
+                                        "--reward", "toy_edit:0.25,name=partial"])
+    command = compare.command_of(args, "grpo", 1, 2, tmp_path, "toy")
+    rewards = [command[i + 1] for i, flag in enumerate(command) if flag == "--reward"]
+    assert rewards == ["toy_edit,mode=strict", "toy_edit:0.25,name=partial"]
+    unset = tyro.cli(compare.Args, args=["--algos", "grpo"])
+    assert "reward" not in compare.task_overrides(unset)  # no --reward: each preset keeps its own
+
+
 def test_a_run_stopped_at_its_base_evaluation():
     """A run stopped at threshold before any epoch line was written (its base evaluation already reached the
     threshold; CI caught this race): 0 samples and 0 CPU-seconds to threshold, no error."""
