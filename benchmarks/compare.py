@@ -194,7 +194,7 @@ def metric_key(args: Args) -> str:
 
 
 def task_overrides(args: Args) -> dict:
-    """The task flags given on the command line (None: leave each preset's own value)."""
+    """The task flags given on the command line (None or no --reward: leave each preset's own value)."""
     names = ["model", "model_path", "reward", "dataset", "resolution", "group_size", "prompts_per_epoch", "num_steps"]
     return {name: getattr(args, name) for name in names if getattr(args, name) not in (None, [])}
 
