@@ -159,10 +159,16 @@ def test_compare_smoke(tmp_path):
         assert ratios[1][2] == ratios[1][3] == "–"
 
 
-def test_first_reach_and_ticks():
+def load_compare():
+    """benchmarks/compare.py as a module (it is a script, not a package member)."""
     spec = importlib.util.spec_from_file_location("compare", REPO / "benchmarks" / "compare.py")
     compare = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(compare)
+    return compare
+
+
+def test_first_reach_and_ticks():
+    compare = load_compare()
     values = np.array([0.0, 1.0, 0.0, 3.0])
     assert compare.first_reach(values, 1.0, 1) == 1
     assert compare.first_reach(values, 1.0, 2) == 3  # trailing means 0, 0.5, 0.5, 1.5
@@ -174,9 +180,7 @@ def test_first_reach_and_ticks():
 
 
 def test_next_run_starts_each_algorithm_once_then_the_longest():
-    spec = importlib.util.spec_from_file_location("compare", REPO / "benchmarks" / "compare.py")
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
+    compare = load_compare()
     waiting = ["a", "b", "c", "a", "b", "c"]  # seeds 1 and 2, seed-major
     assert compare.next_run(waiting, {}) == 0
     assert compare.next_run(waiting, {"a": 5.0}) == 1  # b is not timed yet: its first run before a's second
@@ -192,9 +196,7 @@ def test_repeated_reward_flags_all_reach_the_script(tmp_path):
     """`--reward A --reward B` passes both, as the scripts' own --reward does (once only B reached them)."""
     import tyro
 
-    spec = importlib.util.spec_from_file_location("compare", REPO / "benchmarks" / "compare.py")
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
+    compare = load_compare()
     args = tyro.cli(compare.Args, args=["--algos", "grpo", "--reward", "toy_edit,mode=strict",
                                         "--reward", "toy_edit:0.25,name=partial"])
     command = compare.command_of(args, "grpo", 1, 2, tmp_path, "toy")
@@ -207,9 +209,7 @@ def test_repeated_reward_flags_all_reach_the_script(tmp_path):
 def test_a_run_stopped_at_its_base_evaluation():
     """A run stopped at threshold before any epoch line was written (its base evaluation already reached the
     threshold; CI caught this race): 0 samples and 0 CPU-seconds to threshold, no error."""
-    spec = importlib.util.spec_from_file_location("compare", REPO / "benchmarks" / "compare.py")
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
+    compare = load_compare()
     args = compare.Args(algos=["nft"], seeds=[1], metric="eval", threshold=-1000.0, start_points=1, smooth=1)
     base_only = [{"epoch": -1, "eval_reward_mean": 0.5}]
     two_epochs = base_only + [{"epoch": e, "samples_seen": 16 * (e + 1), "rollout_time_s": 1.0, "reward_time_s": 0.5,
