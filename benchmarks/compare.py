@@ -30,8 +30,10 @@ stdout.log, stderr.log, wall_time_s.txt and cpu_time_s.txt):
 - wall-clock is training time: the sum over epochs of rollout + reward + training time from metrics.jsonl
   (start-up, evaluation and checkpoints excluded, so evaluation frequency does not bias it);
 - CPU time: user + system time of each run's process (and of the processes it started and waited for, e.g.
-  under a launcher), from os.wait4; "CPU min to threshold" estimates it as the run's CPU time × (training seconds
-  to threshold / training seconds of the run);
+  under a launcher), from os.wait4; "CPU min to threshold" estimates the training's share of it as the run's CPU
+  time × (training seconds to threshold / the run's wall seconds), so that start-up and evaluation are left out here
+  too (spread over the training seconds alone, as before 2026-12-05, they counted as training: a fifth to a quarter
+  of a toy edit run's wall time, evaluated every 20 epochs);
 - base: the first point; final: the mean of the curve's last 10% of points (at least one); best: its maximum;
 - threshold: `--threshold` when given, else each run's own base + `--threshold-gain` (on the metric's own scale: the
   default 0.05 is five points of strict success), where a run's base is the mean of its first `--start-points` points
@@ -436,8 +438,9 @@ def mean_std(values) -> str:
     return f"{values.mean():.3f} ± {values.std():.3f}" if len(values) else "–"
 
 
-def summarise(args: Args, runs: dict[str, list[dict]], cpu: dict[str, list[float]]) -> tuple[dict, float, float]:
-    """Per-algorithm numbers (lists over seeds) from the runs' metrics and CPU times; also the start and the
+def summarise(args: Args, runs: dict[str, list[dict]], cpu: dict[str, list[float]],
+              wall: dict[str, list[float]]) -> tuple[dict, float, float]:
+    """Per-algorithm numbers (lists over seeds) from the runs' metrics, CPU and wall times; also the start and the
     threshold."""
     key = metric_key(args)
     curves = {algo: [curve(m, key) for m in seeds] for algo, seeds in runs.items()}
@@ -448,7 +451,7 @@ def summarise(args: Args, runs: dict[str, list[dict]], cpu: dict[str, list[float
         row = {"base": [], "final": [], "best": [], "epochs_to": [], "time_to": [], "samples_to": [],
                "cpu_min_to": [], "rollout": [], "reward": [], "train": [], "epoch": [], "cpu_min": [],
                "reached": 0, "seeds": len(cs), "threshold": [], "per_seed_samples_to": [], "per_seed_cpu_s_to": []}
-        for (seconds, samples, epochs, values), metrics, cpu_s in zip(cs, runs[algo], cpu[algo]):
+        for (seconds, samples, epochs, values), metrics, cpu_s, wall_s in zip(cs, runs[algo], cpu[algo], wall[algo]):
             row["base"].append(values[0])
             # each run from its own base (the evaluation before its first update), unless --threshold is given
             own = run_threshold(args, values)
@@ -457,10 +460,11 @@ def summarise(args: Args, runs: dict[str, list[dict]], cpu: dict[str, list[float
             row["best"].append(values.max())
             row["cpu_min"].append(cpu_s / 60)
             hit = first_reach(values, own, args.smooth)
-            # an estimate: CPU time spread over the run in proportion to its training seconds; 0 when the
-            # evaluation before the first update already reaches the threshold (a stopped run may have no epoch)
+            # an estimate: the process's CPU time spread evenly over its wall time, of which the training seconds
+            # to threshold are a part (start-up and evaluations are the rest); 0 when the evaluation before the
+            # first update already reaches the threshold (a stopped run may have no epoch)
             cpu_s_to = None if hit is None else 0.0 if seconds[hit] == 0 else (
-                cpu_s * seconds[hit] / training_seconds(metrics)[-1])
+                cpu_s * seconds[hit] / max(wall_s, training_seconds(metrics)[-1]))
             row["per_seed_samples_to"].append(None if hit is None else samples[hit])
             row["per_seed_cpu_s_to"].append(cpu_s_to)
             if hit is not None:
@@ -535,8 +539,8 @@ def write_table(args: Args, plans: dict[str, Plan], summary: dict, start: float,
              f"when the trailing mean over {args.smooth} points is ≥ it. Final = mean of the last 10% of points. "
              f"Times are training seconds (rollout + reward + training; start-up and evaluation excluded), per "
              f"epoch after {args.warmup} warm-up epochs; run wall s is the whole process. CPU min is the run's "
-             f"process CPU time (user + system, os.wait4); CPU min to threshold is an estimate: CPU min × training "
-             f"seconds to threshold / training seconds of the run. Mean ± std over seeds (to threshold: over the "
+             f"process CPU time (user + system, os.wait4); CPU min to threshold is an estimate of the training's share: "
+             f"CPU min × training seconds to threshold / run wall s. Mean ± std over seeds (to threshold: over the "
              f"seeds that reach it).", "",
              "| algorithm | M×K | epochs | final | reached | epochs to threshold | samples to threshold | "
              "time to threshold (s) | CPU min to threshold | rollout s/epoch | reward s/epoch | train s/epoch | "
@@ -745,7 +749,7 @@ if __name__ == "__main__":
     out.mkdir(parents=True, exist_ok=True)
     begin = time.time()
     runs, wall, cpu = run_all(args, plans, out)
-    summary, start, threshold = summarise(args, runs, cpu)
+    summary, start, threshold = summarise(args, runs, cpu, wall)
     command = command_line()
     table = write_table(args, plans, summary, start, threshold, wall, command)
     (out / "results.md").write_text(table)

@@ -148,7 +148,9 @@ def test_compare_smoke(tmp_path):
         if e["epochs_to"]:
             seconds = [m["rollout_time_s"] + m["reward_time_s"] + m["train_time_s"] for m in runs[algo] if m["epoch"] >= 0]
             cpu = float((out / f"{algo}-1" / "cpu_time_s.txt").read_text())
-            cpu_to[algo] = cpu * e["time_to"][0] / sum(seconds)
+            wall = float((out / f"{algo}-1" / "wall_time_s.txt").read_text())
+            assert wall > sum(seconds)  # start-up and evaluation are in the process's wall time, not in training's
+            cpu_to[algo] = cpu * e["time_to"][0] / wall
             assert abs(float(row[7]) - cpu_to[algo]) <= 0.5 + 1e-9
     assert ratios[0] == ["algorithm", "reached", "samples ratio", "CPU-seconds ratio"] and ratios[1][0] == "nft"
     if "nft" in cpu_to and all(expected(runs[a], level, 1, 16)["epochs_to"][0] > 0 for a in ("grpo", "nft")):
@@ -215,13 +217,27 @@ def test_a_run_stopped_at_its_base_evaluation():
     two_epochs = base_only + [{"epoch": e, "samples_seen": 16 * (e + 1), "rollout_time_s": 1.0, "reward_time_s": 0.5,
                                "train_time_s": 0.5, "eval_reward_mean": 0.6} for e in range(2)]
     summary, start, threshold = compare.summarise(args, {"nft": [base_only], "grpo": [two_epochs]},
-                                                  {"nft": [3.0], "grpo": [8.0]})
+                                                  {"nft": [3.0], "grpo": [8.0]}, {"nft": [4.0], "grpo": [9.0]})
     assert start == 0.5 and threshold == -1000.0
     for algo in ("nft", "grpo"):
         row = summary[algo]
         assert row["reached"] == 1 and row["per_seed_samples_to"] == [0.0] and row["per_seed_cpu_s_to"] == [0.0]
         assert row["epochs_to"] == [0.0] and row["cpu_min_to"] == [0.0]
     assert math.isnan(summary["nft"]["epoch"][0]) and summary["grpo"]["epoch"] == [2.0]
+
+
+def test_cpu_to_threshold_leaves_out_start_up_and_evaluation():
+    """CPU-seconds to threshold are the run's CPU time × the share of its wall time spent training up to the
+    crossing: a run whose evaluations take as long as its training does not count them as training."""
+    compare = load_compare()
+    args = compare.Args(algos=["grpo"], seeds=[1], metric="eval", threshold=0.65, start_points=1, smooth=1)
+    metrics = [{"epoch": -1, "eval_reward_mean": 0.5}] + [
+        {"epoch": e, "samples_seen": 16 * (e + 1), "rollout_time_s": 3.0, "reward_time_s": 0.5, "train_time_s": 1.5,
+         "eval_reward_mean": v} for e, v in enumerate([0.6, 0.7, 0.8])]
+    # 15 training seconds in a 40-second process that used 30 CPU-seconds; the crossing is after 2 epochs (10 s)
+    summary = compare.summarise(args, {"grpo": [metrics]}, {"grpo": [30.0]}, {"grpo": [40.0]})[0]["grpo"]
+    assert summary["epochs_to"] == [2.0] and summary["time_to"] == [10.0]
+    assert summary["per_seed_cpu_s_to"] == [30.0 * 10.0 / 40.0] and summary["cpu_min_to"] == [7.5 / 60]
 
 
 def test_bad_flags():
