@@ -71,8 +71,8 @@ PRESETS = {
                 kl_old=0.3, kl_beta=0.1, eval_every=10, save_every=10),
     # The toy edit world (docs/toy-edit-world.md): the toy setting on the strict edit reward, the whole transformer
     # fine-tuned at lr 1e-4 (nft's edit setting), 4 prompts × 16 samples (8 × 8 ended at +0.09 and +0.12 on seeds 1
-    # and 3). Held-out edits +0.10 (two consecutive evaluations' mean) in every seed 1–3, within 5–13 CPU-minutes of training;
-    # 200 epochs: about 16 CPU-minutes.
+    # and 3). Held-out edits +0.10 (two consecutive evaluations' mean) in every seed 1–3, within 5–13 CPU-minutes
+    # of training; 200 epochs: about 16 CPU-minutes.
     "toy-edit": dict(TOY_EDIT_WORLD, reward=["toy_edit,mode=strict"], epochs=200, prompts_per_epoch=4, group_size=16,
                      batch_size=16, updates_per_epoch=4, num_steps=8, dynamics="dpm", train_timesteps=4,
                      full_finetune=True, learning_rate=1e-4, kl_old=0.3, kl_beta=0.1, eval_every=20, save_every=20),

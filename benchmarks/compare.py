@@ -539,9 +539,9 @@ def write_table(args: Args, plans: dict[str, Plan], summary: dict, start: float,
              f"when the trailing mean over {args.smooth} points is ≥ it. Final = mean of the last 10% of points. "
              f"Times are training seconds (rollout + reward + training; start-up and evaluation excluded), per "
              f"epoch after {args.warmup} warm-up epochs; run wall s is the whole process. CPU min is the run's "
-             f"process CPU time (user + system, os.wait4); CPU min to threshold is an estimate of the training's share: "
-             f"CPU min × training seconds to threshold / run wall s. Mean ± std over seeds (to threshold: over the "
-             f"seeds that reach it).", "",
+             f"process CPU time (user + system, os.wait4); CPU min to threshold is an estimate of the training's "
+             f"share: CPU min × training seconds to threshold / run wall s. Mean ± std over seeds (to threshold: over "
+             f"the seeds that reach it).", "",
              "| algorithm | M×K | epochs | final | reached | epochs to threshold | samples to threshold | "
              "time to threshold (s) | CPU min to threshold | rollout s/epoch | reward s/epoch | train s/epoch | "
              "epoch s | run wall s | CPU min |",
