@@ -228,7 +228,7 @@ def test_a_run_stopped_at_its_base_evaluation():
 
 def test_cpu_to_threshold_leaves_out_start_up_and_evaluation():
     """CPU-seconds to threshold are the run's CPU time × the share of its wall time spent training up to the
-    crossing: a run whose evaluations take as long as its training does not count them as training."""
+    crossing: the 25 of its 40 wall seconds that start-up and evaluation took do not count as training."""
     compare = load_compare()
     args = compare.Args(algos=["grpo"], seeds=[1], metric="eval", threshold=0.65, start_points=1, smooth=1)
     metrics = [{"epoch": -1, "eval_reward_mean": 0.5}] + [
