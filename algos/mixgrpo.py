@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from common.advantages import compute_advantages, trained_samples
 from common.cli import TrainArgs, parse_args
-from common.data import epoch_samples
+from common.data import epoch_draw, epoch_samples
 from common.distributed import micro_step
 from common.dynamics import sde_kl, sde_step
 from common.sampling import sample_generators
@@ -52,9 +52,10 @@ class Args(TrainArgs):
     """τ ≥ 1: epochs the window stays at one start (progressive; exp_decay's base) (unset: 25, 20 with --flash)"""
     window_stride: int = 1
     """how many steps the window moves when it moves (progressive, decay, exp_decay)"""
-    same_group_noise: bool = True
-    """the K samples of a group start from one noise (the reference's --init_same_noise): before the window every
-    step is ODE, so rewards in a group then differ only through the window's SDE noise"""
+    noises_per_group: int = 1
+    """N: a group's K samples start from N initial noises, K/N samples each. 1 is the reference's --init_same_noise:
+    before the window every step is ODE, so rewards in a group differ only through the window's SDE noise; K gives
+    each sample its own noise"""
     flash: bool = False
     """MixGRPO-Flash: after the window, a compressed schedule integrated with DPM-Solver++ 2M"""
     flash_compress_ratio: float = 0.4
@@ -118,6 +119,17 @@ def window_dwell(schedule: str, start: int, num_steps: int, iters_per_window: in
     if schedule == "exp_decay":
         return math.ceil(iters_per_window * math.exp(-0.1 * max(start - 13, 0)))
     return iters_per_window
+
+
+def noise_subgroups(draw: np.ndarray, group_size: int, noises_per_group: int) -> list[int]:
+    """Which of its group's N noises each sample of the epoch's draw starts from: the k-th occurrence of a prompt
+    in the draw takes noise ⌊k·N/K⌋, so each noise is shared by K/N samples."""
+    seen: dict[int, int] = {}
+    subgroups = []
+    for prompt in draw.tolist():
+        subgroups.append(seen.get(prompt, 0) * noises_per_group // group_size)
+        seen[prompt] = seen.get(prompt, 0) + 1
+    return subgroups
 
 
 def advance_window(state: dict, schedule: str, num_steps: int, iters_per_window: int, stride: int) -> dict:
@@ -201,6 +213,8 @@ if __name__ == "__main__":
         raise UserError(f"--dynamics cps needs --noise-level in [0, 1], got {args.noise_level}")
     if not args.clip_range > 0:
         raise UserError(f"--clip-range must be positive, got {args.clip_range}")
+    if args.noises_per_group < 1 or args.group_size % args.noises_per_group:
+        raise UserError(f"--noises-per-group must divide --group-size {args.group_size}, got {args.noises_per_group}")
     if args.kl_beta < 0:
         raise UserError(f"--kl-beta must be >= 0, got {args.kl_beta}")
     clip_range = args.clip_range
@@ -218,9 +232,12 @@ if __name__ == "__main__":
         records, seeds = epoch_samples(run.train_prompts, args.prompts_per_epoch, args.group_size, args.seed, epoch,
                                        run.local)
         group_ids = torch.tensor([r.key for r in records])
-        # one initial-noise seed per group, from (seed, epoch, group key): the same on any number of processes
-        noise_seeds = torch.tensor([int(np.random.default_rng([args.seed, epoch, r.key, 0x6E0]).integers(2**62))
-                                    for r in records])
+        # each sample's initial-noise seed, from (seed, epoch, group key, which of the group's N noises): the same on
+        # any number of processes. Noise 0 of a group is the one the whole group shares when N = 1.
+        subgroups = noise_subgroups(epoch_draw(len(run.train_prompts), args.prompts_per_epoch, args.group_size,
+                                               args.seed, epoch), args.group_size, args.noises_per_group)[run.local]
+        noise_seeds = torch.tensor([int(np.random.default_rng([args.seed, epoch, r.key, 0x6E0] + [j] * (j > 0))
+                                        .integers(2**62)) for r, j in zip(records, subgroups)])
         # the epoch's window: SDE and training on its steps only, the Euler ODE elsewhere
         if args.window_schedule == "random":
             window_start = random_window_start(args.seed, epoch, args.num_steps, args.window_size)
@@ -238,7 +255,8 @@ if __name__ == "__main__":
         scoring = start_scoring(run, records, group_ids)  # rewards score each micro-batch as it is decoded
         for index in rollout_batches:
             c, generators = {k: v[index] for k, v in cond.items()}, sample_generators(seeds[index], device)
-            noise = adapter.noise(sample_generators(noise_seeds[index], device) if args.same_group_noise else generators)
+            own_noise = args.noises_per_group == args.group_size
+            noise = adapter.noise(generators if own_noise else sample_generators(noise_seeds[index], device))
             x0, steps = mixed_rollout(lambda x, sigma: adapter.velocity(x, sigma, c, guidance), noise, generators,
                                       sigmas, train_steps, args.dynamics, args.noise_level, flash_tail, store)
             for key in stored:

@@ -150,11 +150,28 @@ def test_sde_only_in_the_window_and_flash_uses_fewer_transformer_calls(adapter):
     # the window steps are identical with and without Flash (only the tail differs)
     torch.testing.assert_close(flash_steps["x_next"], plain_steps["x_next"], rtol=0, atol=0)
     assert not torch.equal(flash, plain)
-    # a group sharing its initial noise (--same-group-noise) is identical up to the window, then spreads
+    # a group sharing its initial noise (--noises-per-group 1) is identical up to the window, then spreads
     cond = adapter.encode_prompts(["a cat", "a cat"])
     group, group_steps = rollout(noise=adapter.noise(sample_generators([5, 5], "cpu")))
     torch.testing.assert_close(group_steps["x"][0, 0], group_steps["x"][1, 0], rtol=0, atol=0)
     assert (group[0] - group[1]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("noises", [1, 2, 4, 16])
+def test_each_initial_noise_of_a_group_is_shared_by_k_over_n_samples(noises):
+    from common.data import epoch_draw
+    draw = epoch_draw(384, 8, 16, 2, 5)  # 8 prompts × 16, shuffled
+    subgroups = mix.noise_subgroups(draw, 16, noises)
+    counts = {}
+    for prompt, j in zip(draw.tolist(), subgroups):
+        counts[prompt, j] = counts.get((prompt, j), 0) + 1
+    # every prompt's samples split into N noises of K/N samples each, in draw order
+    assert sorted(counts.values()) == [16 // noises] * (8 * noises)
+    assert {j for _, j in counts} == set(range(noises))
+    first = {}
+    for prompt, j in zip(draw.tolist(), subgroups):
+        assert j >= first.get(prompt, 0)
+        first[prompt] = j
 
 
 # ---- the script end to end ----------------------------------------------------------------------------
@@ -183,7 +200,7 @@ def test_resume_continues_the_window_schedule_and_equals_an_uninterrupted_run(tm
 def test_two_processes(tmp_path):
     out = tmp_path / "ddp"
     run_script("algos/mixgrpo.py", *SMALL, "--window-schedule", "random", "--updates-per-epoch", "1",
-               "--epochs", "3", "--output-dir", out, launcher=ACCELERATE_2CPU)
+               "--noises-per-group", "2", "--epochs", "3", "--output-dir", out, launcher=ACCELERATE_2CPU)
     metrics = read_metrics(out)
     assert [m["num_processes"] for m in metrics] == [2, 2, 2]
     assert [m["window_start"] for m in metrics] == [mix.random_window_start(1, e, 5, 2) for e in range(3)]
@@ -191,7 +208,8 @@ def test_two_processes(tmp_path):
 
 
 def test_bad_flags_give_one_line_errors(tmp_path):
-    for flags, needle in [(["--window-schedule", "sliding"], "--window-schedule"), (["--window-size", "4"], "--window-size")]:
+    for flags, needle in [(["--window-schedule", "sliding"], "--window-schedule"), (["--window-size", "4"], "--window-size"),
+                          (["--noises-per-group", "3"], "--noises-per-group")]:
         assert needle in script_error("algos/mixgrpo.py", *SMALL, *flags, "--output-dir", tmp_path / "bad")
 
 
