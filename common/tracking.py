@@ -103,7 +103,9 @@ def save_image_grid(images: torch.Tensor, path: str | Path, columns: int | None 
                     captions: list[str] | None = None) -> Image.Image:
     """Write `image_grid(...)` as a PNG, atomically; returns the picture."""
     grid = image_grid(images, captions, columns)
-    tmp = Path(path).with_name(Path(path).name + ".tmp.png")
+    # a temporary name per process: evaluate.py's --grid-dir is shared, and two processes writing one grid name
+    # through one temporary file lose it to each other's rename
+    tmp = Path(path).with_name(f"{Path(path).name}.{os.getpid()}.tmp.png")
     with disk_writes(path, remove=[tmp]):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         grid.save(tmp)

@@ -4,8 +4,14 @@ newest checkpoint), for a LoRA, a LoRA with its EMA, and a full fine-tune; a mod
 base; bad input is one line."""
 
 import json
+import os
 
+import numpy as np
 import pytest
+import torch
+from PIL import Image
+
+from common import tracking
 
 from conftest import read_metrics, run_script, script_error
 
@@ -68,3 +74,22 @@ def test_bad_input_is_one_line(tmp_path):
     assert "no checkpoint (not a run folder" in script_error("evaluate.py", "--run", tmp_path)
     assert "--eval-seeds must be at least 1" in script_error("evaluate.py", "--model-path", "tiny", "--eval-seeds", "0")
     assert script_error("evaluate.py", "--model", "wan9").startswith("error: invalid choice 'wan9' for argument '--model'")
+
+
+def test_another_process_writing_the_same_grid_between_save_and_rename(tmp_path, monkeypatch):
+    """Concurrent evaluations share --grid-dir (runs/evaluate by default); a grid name written by two processes at
+    once lost one of them its results (the shared temporary file was renamed away under it)."""
+    path, real_replace, interleaved = tmp_path / "run.png", os.replace, []
+
+    def replace_after_another_writer(src, dst):
+        if not interleaved:
+            interleaved.append(src)
+            with monkeypatch.context() as other_process:
+                other_process.setattr(tracking.os, "getpid", lambda: 2**22 + 1)
+                tracking.save_image_grid(torch.ones(1, 3, 8, 8), path)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(tracking.os, "replace", replace_after_another_writer)
+    tracking.save_image_grid(torch.zeros(1, 3, 8, 8), path)
+    assert interleaved and not list(tmp_path.glob("*.tmp.png"))
+    assert np.asarray(Image.open(path)).max() == 0  # the last rename wins: this process's all-black grid
