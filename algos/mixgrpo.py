@@ -215,6 +215,7 @@ if __name__ == "__main__":
         raise UserError(f"--clip-range must be positive, got {args.clip_range}")
     if args.noises_per_group < 1 or args.group_size % args.noises_per_group:
         raise UserError(f"--noises-per-group must divide --group-size {args.group_size}, got {args.noises_per_group}")
+    own_noise = args.noises_per_group == args.group_size  # N = K: each sample from its own seed's noise
     if args.kl_beta < 0:
         raise UserError(f"--kl-beta must be >= 0, got {args.kl_beta}")
     clip_range = args.clip_range
@@ -255,7 +256,6 @@ if __name__ == "__main__":
         scoring = start_scoring(run, records, group_ids)  # rewards score each micro-batch as it is decoded
         for index in rollout_batches:
             c, generators = {k: v[index] for k, v in cond.items()}, sample_generators(seeds[index], device)
-            own_noise = args.noises_per_group == args.group_size
             noise = adapter.noise(generators if own_noise else sample_generators(noise_seeds[index], device))
             x0, steps = mixed_rollout(lambda x, sigma: adapter.velocity(x, sigma, c, guidance), noise, generators,
                                       sigmas, train_steps, args.dynamics, args.noise_level, flash_tail, store)
