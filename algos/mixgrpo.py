@@ -132,6 +132,13 @@ def noise_subgroups(draw: np.ndarray, group_size: int, noises_per_group: int) ->
     return subgroups
 
 
+def initial_noise_seeds(seed: int, epoch: int, group_keys: list[int], subgroups: list[int]) -> torch.Tensor:
+    """One seed per (group, noise j), from (seed, epoch, group key, j); noise 0 keeps the seed a whole group shared
+    before groups could hold several noises."""
+    return torch.tensor([int(np.random.default_rng([seed, epoch, key, 0x6E0] + [j] * (j > 0)).integers(2**62))
+                         for key, j in zip(group_keys, subgroups)])
+
+
 def advance_window(state: dict, schedule: str, num_steps: int, iters_per_window: int, stride: int) -> dict:
     """The window state {start, epochs_at_start} after one more epoch. Past the last trainable start S − 3
     it wraps to 0. (The reference first spends τ epochs at t = S − 2, where the window is empty and nothing
@@ -237,8 +244,7 @@ if __name__ == "__main__":
         # any number of processes. Noise 0 of a group is the one the whole group shares when N = 1.
         subgroups = noise_subgroups(epoch_draw(len(run.train_prompts), args.prompts_per_epoch, args.group_size,
                                                args.seed, epoch), args.group_size, args.noises_per_group)[run.local]
-        noise_seeds = torch.tensor([int(np.random.default_rng([args.seed, epoch, r.key, 0x6E0] + [j] * (j > 0))
-                                        .integers(2**62)) for r, j in zip(records, subgroups)])
+        noise_seeds = initial_noise_seeds(args.seed, epoch, [r.key for r in records], subgroups)
         # the epoch's window: SDE and training on its steps only, the Euler ODE elsewhere
         if args.window_schedule == "random":
             window_start = random_window_start(args.seed, epoch, args.num_steps, args.window_size)

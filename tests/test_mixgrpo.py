@@ -172,6 +172,13 @@ def test_each_initial_noise_of_a_group_is_shared_by_k_over_n_samples(noises):
     for prompt, j in zip(draw.tolist(), subgroups):
         assert j >= first.get(prompt, 0)
         first[prompt] = j
+    # samples share a seed exactly when they share (prompt, noise); N = 1 keeps the one-noise-per-group seed
+    seeds = mix.initial_noise_seeds(7, 5, draw.tolist(), subgroups).tolist()
+    assert len(set(seeds)) == 8 * noises
+    assert len({(p, j, s) for p, j, s in zip(draw.tolist(), subgroups, seeds)}) == 8 * noises
+    for prompt, j, seed in zip(draw.tolist(), subgroups, seeds):
+        if j == 0:
+            assert seed == int(np.random.default_rng([7, 5, prompt, 0x6E0]).integers(2**62))
 
 
 # ---- the script end to end ----------------------------------------------------------------------------
