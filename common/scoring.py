@@ -3,9 +3,12 @@ its failures turned into one-line errors, groupwise rewards over all processes, 
 edits and image-to-video for the rewards that want them. Part of `common` so that the training machinery never
 imports `rewards/`: the scripts load the rewards and hand them to `setup`."""
 
+import atexit
 import os
 import threading
+import time
 import traceback
+import weakref
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -130,9 +133,25 @@ def score_samples(rewards: list[Reward], images: torch.Tensor, prompts: list[str
     return torch.stack(columns, dim=1)
 
 
+_LIVE_WORKER_THREADS = weakref.WeakSet()
+EXIT_WAIT_S = 20.0  # how long an exiting run waits for reward calls in flight (a preemption's grace is ~30 s)
+
+
+@atexit.register
+def _let_running_calls_end() -> None:
+    """Wait (bounded) for reward calls still running when the interpreter exits, e.g. after another reward failed.
+    A daemon thread that comes back from a torch op once finalization has begun is ended by pthread_exit inside
+    torch's C++ frames, which aborts the process ("terminate called without an active exception", exit 134)
+    after the run's one-line error."""
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for thread in list(_LIVE_WORKER_THREADS):
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
 class _RewardWorkers:
     """Daemon threads running scoring calls, each returning a concurrent.futures.Future. Daemon threads, unlike a
-    ThreadPoolExecutor's, never hold up the exit of a run that stopped on an error while a call was in flight."""
+    ThreadPoolExecutor's, never hold up the exit of a run that stopped on an error while a call was in flight for
+    longer than EXIT_WAIT_S (a stuck remote reward)."""
 
     def __init__(self, count: int):
         import queue
@@ -142,6 +161,7 @@ class _RewardWorkers:
                         for i in range(count)]
         for thread in self.threads:
             thread.start()
+            _LIVE_WORKER_THREADS.add(thread)
 
     def _work(self):
         torch.set_num_threads(self.torch_threads)  # OpenMP's team size is per thread: reductions split as the caller's

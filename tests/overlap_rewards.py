@@ -61,3 +61,19 @@ class StopsTheRun:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.5)  # still scoring when the signal lands
         return images.double().flatten(1).mean(1)
+
+
+class Busy:
+    """Spends about `seconds` per call inside large torch matmuls (C++ with the GIL released), then scores 0: a
+    local model's reward still running when another reward fails."""
+
+    def __init__(self, seconds: str = "2"):
+        self.seconds = float(seconds)
+
+    def __call__(self, images, prompts):
+        import torch
+
+        start, a = time.monotonic(), torch.randn(1500, 1500, generator=torch.Generator().manual_seed(0))
+        while time.monotonic() - start < self.seconds:
+            a = torch.tanh(a @ a)
+        return [0.0] * len(prompts)

@@ -140,6 +140,16 @@ def test_a_raising_reward_stops_the_run_in_one_line(tmp_path):
         last.endswith("boom on the second micro-batch")
 
 
+def test_a_reward_still_running_when_another_fails_ends_before_the_exit(tmp_path):
+    # Busy is inside a torch op when Boom fails; before, the exit aborted the process there (exit 134, "terminate
+    # called without an active exception" after the error line) whenever the timing fell that way (CI, once).
+    out = tmp_path / "run"
+    result = run_script("algos/grpo.py", *SMALL[:-4], "--reward", "overlap_rewards:Busy,seconds=2", "--reward",
+                        "overlap_rewards:Boom", "--output-dir", out, check=False, env=ENV)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("error: reward 'Boom' raised ValueError")
+
+
 def test_a_wrong_length_reward_stops_the_run_in_one_line(tmp_path):
     last, _ = failed_run(tmp_path, "overlap_rewards:OneShort")
     assert last == "error: reward 'OneShort' returned shape (3,), expected (4,)"
