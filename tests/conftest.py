@@ -26,7 +26,27 @@ os.environ.update(WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"
 LONGEST_FIRST = ["test_toy_learning.py", "test_distributed.py", "test_matrix.py", "test_rewards_overlap.py"]
 
 
-def pytest_collection_modifyitems(items):
+# Two tiers. Without --full the tests marked slow are deselected: the fast tier keeps every file's core checks for a
+# first check in minutes; --full (what .ci/run passes) runs them all. In a parametrized test, `marks=SLOW` on a case.
+SLOW = pytest.mark.slow
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="the full tier: also the tests marked slow (learning, the whole matrix, distributed, "
+                          "kill/resume); .ci/run passes it")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: in the full tier only (run with --full)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--full"):
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
