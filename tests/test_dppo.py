@@ -91,6 +91,21 @@ def test_mask_sign_conditions_loss_and_gradient():
     np.testing.assert_allclose(grad[kept], (-adv.double().numpy() * ratio)[kept], rtol=1e-6)
 
 
+def test_a_ratio_that_rounds_to_one_in_float32_is_kept():
+    """The mask compares ρ = exp(Δ) with 1 in float32, as the references do, not the sign of Δ: for
+    0 < |Δ| < 2⁻²⁴ the float32 ρ is exactly 1, so the step is kept even where D ≥ τ and A has Δ's sign."""
+    tiny = [2.0 ** -26, -(2.0 ** -26), 2.0 ** -20, -(2.0 ** -20)]
+    rounds_to_one = [np.float32(np.exp(np.float64(d))) == np.float32(1.0) for d in tiny]  # independent, numpy
+    assert rounds_to_one == [True, True, False, False]
+    log_prob_old = torch.zeros(4)  # Δ exact in float32 (beside a log-prob of −0.25 a 2⁻²⁶ would round away)
+    log_prob = log_prob_old + torch.tensor(tiny)
+    assert ((log_prob - log_prob_old) != 0).all()  # Δ itself is not 0: its sign alone would mask all four
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])  # A with Δ's sign everywhere, D = 1 ≥ τ everywhere
+    _, _, masked = dppo.dppo_surrogate(log_prob, log_prob_old, torch.ones(4, 3), torch.zeros(4, 3),
+                                       torch.full((4, 1), 0.5 ** 0.5), adv, threshold=0.5)
+    assert masked.tolist() == [not r for r in rounds_to_one]
+
+
 def test_a_masked_overflowing_ratio_has_a_finite_zero_gradient():
     """Δ log p = 200 overflows exp in float32; zeroing the log-ratio before the exp keeps the gradient 0, not NaN."""
     log_prob = torch.tensor([199.0, 0.5], requires_grad=True)
