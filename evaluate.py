@@ -21,7 +21,7 @@ from accelerate import Accelerator
 
 from common.cache import PromptEncoder, cache_texts, condition_inputs, find_cache
 from common.checkpoint import load_full_state_into, load_lora_state_into, newest_complete_checkpoint
-from common.cli import CONDITIONED_MODELS, ModelName, TrainArgs, check_finite, cli_one_line
+from common.cli import CONDITIONED_MODELS, AttentionBackend, ModelName, TrainArgs, check_finite, cli_one_line
 from common.data import DEFAULT_DATASET, check_conditions, load_prompts
 from common.evaluation import evaluate_prompts
 from common.models import ADAPTERS, load_adapter, resolve_model_path
@@ -76,11 +76,13 @@ class Args:
     cache_dir: str | None = None
     """embedding cache root (unset: the default root, when it holds a match)"""
     reward_device: Literal["accelerator", "cpu"] = "accelerator"
+    attention_backend: AttentionBackend | None = None
+    """diffusers' attention kernel for sampling (unset: the run's)"""
 
 
 # With --run, the flags that may differ from the run's own: what is evaluated and where the model is found.
 EVAL_FLAGS = ("eval_num_prompts", "eval_seeds", "eval_num_steps", "batch_size", "reward", "dataset",
-              "guidance_scale", "model_path", "cache_dir", "reward_device")
+              "guidance_scale", "model_path", "cache_dir", "reward_device", "attention_backend")
 
 
 def check(args: Args) -> None:
@@ -120,7 +122,7 @@ def settings(args: Args, saved: dict | None) -> Namespace:
         values["guidance"] = None
     for name, value in asdict(args).items():
         given = value not in (None, [])
-        if name in values and given and (saved is None or name in EVAL_FLAGS):
+        if (name in values or name in EVAL_FLAGS) and given and (saved is None or name in EVAL_FLAGS):
             values[name] = value
     values["eval_num_steps"] = values["eval_num_steps"] or values["num_steps"]  # unset: the rollout's steps
     values["dataset"] = values["dataset"] or DEFAULT_DATASET
@@ -140,6 +142,8 @@ def load_model(s: Namespace, accelerator):
                            load_text_encoders=cache is None, num_frames=s.num_frames,
                            condition_size=s.condition_size)
     adapter.check_condition_shapes(test)
+    if getattr(s, "attention_backend", None) is not None:  # runs saved before the flag have none
+        adapter.set_attention_backend(s.attention_backend, backward=False)
     adapter.transformer.to(accelerator.device)
     return adapter, PromptEncoder(adapter, cache), test
 

@@ -22,6 +22,14 @@ from common.utils import UserError, avoid_cudnn_attention, install_user_error_ho
 # so that the scripts, preprocess.py and evaluate.py parse it without importing the adapters.
 ModelName = Literal["flux1", "sd3", "qwen-image", "wan", "flux1-kontext", "qwen-image-edit", "wan-i2v", "flux2",
                     "flux2-klein", "z-image", "wan2.2", "wan2.2-5b"]
+# diffusers' attention backends (`diffusers.models.attention_dispatch.AttentionBackendName`; tests check they agree),
+# here so that a misspelt --attention-backend is refused, with the choices, before anything is loaded.
+AttentionBackend = Literal["native", "flash", "flash_varlen", "flash_hub", "flash_varlen_hub", "flash_4_hub",
+                           "_flash_3", "_flash_varlen_3", "_flash_3_hub", "_flash_3_varlen_hub", "aiter_fa2_hub",
+                           "flex", "_native_cudnn", "_native_efficient", "_native_flash", "_native_math",
+                           "_native_npu", "_native_xla", "sage", "sage_hub", "sage_blackwell_hub", "sage_varlen",
+                           "_sage_qk_int8_pv_fp8_cuda", "_sage_qk_int8_pv_fp8_cuda_sm90",
+                           "_sage_qk_int8_pv_fp16_cuda", "_sage_qk_int8_pv_fp16_triton", "xformers"]
 VIDEO_MODELS = ("wan", "wan-i2v", "wan2.2", "wan2.2-5b")
 CONDITIONED_MODELS = ("flux1-kontext", "qwen-image-edit", "wan-i2v")
 
@@ -80,6 +88,10 @@ class TrainArgs:
     """embedding cache root built by preprocess.py (unset: $FLOWRL_CACHE/embeddings)"""
     cache: bool = True
     """use a matching embedding cache when there is one (--no-cache: encode prompts with the text encoders)"""
+    attention_backend: AttentionBackend | None = None
+    """the transformer's attention kernel, through diffusers' `set_attention_backend` (flash: flash-attn, sage:
+    SageAttention, flex, xformers, ...); refused with one line where it cannot run here (unset: diffusers' default,
+    torch's scaled_dot_product_attention)"""
 
     # Data and reward
     dataset: str = DEFAULT_DATASET

@@ -183,6 +183,8 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
                            args.max_sequence_length, load_text_encoders=cache is None, num_frames=args.num_frames,
                            condition_size=args.condition_size, train_experts=args.train_experts)
     adapter.check_condition_shapes(train_prompts + test_prompts)
+    if args.attention_backend is not None:
+        adapter.set_attention_backend(args.attention_backend)
     guidance = args.guidance_scale if args.guidance_scale is not None else (
         1.0 if cfg_free and true_cfg else adapter.default_guidance_scale)
     encode = PromptEncoder(adapter, cache)

@@ -65,6 +65,35 @@ class _Adapter:
         self.vae = self.pipe.vae.to(self.device).requires_grad_(False)
         self.scheduler = self.pipe.scheduler
 
+    def set_attention_backend(self, backend: str, backward: bool = True) -> None:
+        """Run every transformer of the pipeline (both of Wan2.2's experts) on diffusers' attention `backend`, after
+        checking on a small attention call, in the model's dtype on its device (and its backward when training),
+        that the backend runs here: a missing package, a kernel this device lacks or a forward-only kernel is
+        refused with one line, not found at the first forward of the first epoch."""
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        names = [name for name in self.model_components if name.startswith("transformer")]
+        processors = [module.processor for name in names for module in getattr(self.pipe, name).modules()
+                      if getattr(module, "processor", None) is not None]
+        if not any(hasattr(processor, "_attention_backend") for processor in processors):
+            kinds = sorted({type(processor).__name__ for processor in processors})
+            raise UserError(f"--attention-backend: {self.display_name}'s attention processors "
+                            f"({', '.join(kinds)}) do not go through diffusers' attention dispatcher, so they take "
+                            f"no backend; leave the flag unset")
+        try:
+            for name in names:
+                getattr(self.pipe, name).set_attention_backend(backend)
+            query = torch.randn(1, 16, 2, 64, device=self.device, dtype=self.dtype, requires_grad=backward)
+            out = dispatch_attention_fn(query, query, query, backend=backend)
+            if backward:
+                out.float().sum().backward()
+        except (RuntimeError, ValueError, NotImplementedError, ImportError) as err:
+            for name in names:
+                getattr(self.pipe, name).reset_attention_backend()
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise UserError(f"--attention-backend {backend} cannot run {'training ' if backward else ''}on "
+                            f"{self.device.type} in {str(self.dtype).removeprefix('torch.')}: {first}") from None
+
     def _check_resolution(self, resolution: int, multiple: int, largest: int | None = None) -> None:
         if resolution <= 0 or resolution % multiple or (largest is not None and resolution > largest):
             limit = f" up to {largest}" if largest is not None else ""
