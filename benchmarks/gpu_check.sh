@@ -43,7 +43,7 @@ check ds_grpo_2 90 "${ds[@]}" algos/grpo.py "${tiny[@]}" --epochs 2 --output-dir
 check ds_grpo_resume 90 "${ds[@]}" algos/grpo.py "${tiny[@]}" --epochs 3 --output-dir $runs/ds2 --resume
 check ds_resume_equal 30 python3 - $runs/ds3 $runs/ds2 <<'EOF'
 import json, sys
-skip = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "peak_memory_gb"}
+skip = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflops", "mfu", "peak_memory_gb"}
 a, b = ([{k: v for k, v in json.loads(l).items() if k not in skip} for l in open(f"{d}/metrics.jsonl")] for d in sys.argv[1:])
 print(json.dumps(a[-1]))
 assert len(a) == len(b) == 3 and a == b, [{k: (x[k], y[k]) for k in x if x[k] != y[k]} for x, y in zip(a, b)]

@@ -149,6 +149,10 @@ class TrainArgs:
     """threads that score each rollout micro-batch while the next is denoised (a reward server's requests overlap up
     to its client's connections=); 0: score the whole epoch after the rollout. The scores are the same either way"""
 
+    peak_tflops: float | None = None
+    """the accelerator's peak TFLOP/s per process, the denominator of `mfu` in metrics.jsonl (unset: the dense bf16
+    peak of a known GPU, common.flops.PEAK_TFLOPS; on a CPU or an unknown GPU mfu is left out)"""
+
     # Evaluation and checkpoints
     eval_every: int = 10
     """evaluate with the Euler ODE on the test prompts every N epochs, and after the last (0: never)"""
@@ -260,7 +264,7 @@ _AT_LEAST = [("epochs", 1, ""), ("prompts_per_epoch", 1, ""), ("group_size", 2, 
              ("lr_warmup_steps", 0, ""), ("lora_rank", 1, ""), ("max_sequence_length", 1, ""), ("resolution", 1, ""),
              ("eval_every", 0, ""), ("eval_num_prompts", 1, ""), ("eval_seeds", 1, ""), ("save_every", 0, ""),
              ("keep_checkpoints", 1, ""), ("weight_decay", 0, ""), ("reward_workers", 0, "")]
-_POSITIVE = ["lora_alpha", "max_grad_norm", "adv_clip_max"]
+_POSITIVE = ["lora_alpha", "max_grad_norm", "adv_clip_max"]  # and peak_tflops when given
 
 
 def check_args(args) -> None:
@@ -275,6 +279,8 @@ def check_args(args) -> None:
     # Early, with the launchers' process count (WORLD_SIZE); rollout_micro_batches checks it again after setup.
     local = args.prompts_per_epoch * args.group_size // int(os.environ.get("WORLD_SIZE", "1"))
     check_updates_per_epoch(args.updates_per_epoch, local)
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        raise UserError(f"--peak-tflops must be positive, got {args.peak_tflops}")
     if args.learning_rate is not None and not args.learning_rate > 0:
         raise UserError(f"--learning-rate must be positive, got {args.learning_rate}")
     if args.eval_num_steps is not None and args.eval_num_steps < 1:

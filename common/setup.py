@@ -25,6 +25,7 @@ from common.data import check_conditions, load_prompts, shard
 from common.distributed import (configure_backend, load_optimizer_state_dict, lora_state_dict, optimizer_state_dict,
                                 place_like, save_pretrained, staging_device, trainable)
 from common.evaluation import evaluate_prompts
+from common.flops import FlopCounter, default_peak_tflops
 from common.models import ADAPTERS, load_adapter, resolve_model_path
 from common.scoring import RolloutScoring
 from common.shadow import ReferencePolicy, ShadowPolicy
@@ -60,6 +61,7 @@ class Run:
     meta: dict = field(default_factory=dict)  # script state saved with the last checkpoint (e.g. a window)
     local: slice = field(default_factory=lambda: slice(0))  # this process's part of each epoch's M·K samples
     optimizer_steps: int = 0      # taken so far, this run and the ones it resumes
+    flops: FlopCounter = field(default_factory=FlopCounter)  # the transformers' work, for tflops and mfu
 
     @property
     def device(self) -> torch.device:
@@ -222,6 +224,8 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
     run = Run(args, accelerator, adapter, transformer, unwrapped, params, optimizer, scheduler, reference,
               shadow_policies, ema, encode, rewards, train_prompts, test_prompts,
               adapter.sigmas(args.num_steps), guidance, output_dir, MetricsLog(output_dir, accelerator), local=local)
+    # Every transformer a script runs: the trained one, a frozen reference copy, the shadows' copies.
+    run.flops.attach(unwrapped, reference.copy, *(getattr(s, "module", None) for s in shadow_policies.values()))
     if accelerator.is_main_process:
         stale = clean_stale_writes(output_dir)
         if stale:
@@ -296,7 +300,7 @@ def epoch_metrics(run: Run, epoch: int, all_raw: torch.Tensor, stats: dict, timi
     accelerator, rewards = run.accelerator, run.rewards
     combined = all_raw @ torch.tensor([r.weight for r in rewards], dtype=torch.float64)
     device = run.device
-    peak = accelerator.reduce(torch.tensor(peak_memory_gb(device), device=device), "max")
+    peak_memory = accelerator.reduce(torch.tensor(peak_memory_gb(device), device=device), "max")
     # One all-reduce of (sum, count) per key, on every process whatever it holds: a process whose micro-batches
     # were all padding has empty lists, and skipping its reduce would leave the others waiting in theirs.
     names = sorted(stats)
@@ -304,6 +308,13 @@ def epoch_metrics(run: Run, epoch: int, all_raw: torch.Tensor, stats: dict, timi
         torch.stack([torch.stack(stats[n]).double().sum(), torch.tensor(float(len(stats[n])), dtype=torch.float64)])
         if stats[n] else torch.zeros(2, dtype=torch.float64) for n in names]).to(device), "sum") if names else []
     means = {n: float(total[0] / total[1]) for n, total in zip(names, totals) if total[1] > 0}
+    # Throughput of the epoch's transformer work (rollout and training, all processes) over its rollout and
+    # training time; mfu against the peak of every process's accelerator.
+    flops = float(accelerator.reduce(torch.tensor(float(run.flops.take()), dtype=torch.float64, device=device), "sum"))
+    seconds = timings.get("rollout_time_s", 0.0) + timings.get("train_time_s", 0.0)
+    tflops = flops / seconds / 1e12 if seconds > 0 else 0.0
+    peak = run.args.peak_tflops or default_peak_tflops(device)
+    throughput = {"tflops": tflops, **({"mfu": tflops / (peak * accelerator.num_processes)} if peak else {})}
     return {
         "epoch": epoch,
         "reward_mean": float(combined.mean()),
@@ -316,7 +327,8 @@ def epoch_metrics(run: Run, epoch: int, all_raw: torch.Tensor, stats: dict, timi
         "samples_seen": (epoch + 1) * run.args.prompts_per_epoch * run.args.group_size,
         "num_processes": accelerator.num_processes,
         **timings,
-        "peak_memory_gb": float(peak),
+        **throughput,
+        "peak_memory_gb": float(peak_memory),
     }
 
 
@@ -332,7 +344,7 @@ def evaluate(run: Run, epoch: int) -> dict:
         return {}
     run.transformer.eval()
     grid = run.output_dir / "eval" / (f"epoch_{epoch:06d}.png" if epoch >= 0 else "base.png")
-    with run.ema.applied() if run.ema is not None else nullcontext():
+    with run.ema.applied() if run.ema is not None else nullcontext(), run.flops.paused():
         return evaluate_prompts(run.adapter, run.accelerator, run.encode, run.rewards,
                                 run.test_prompts[: args.eval_num_prompts], args.eval_seeds,
                                 args.eval_num_steps or args.num_steps, args.batch_size, run.guidance, grid,

@@ -29,11 +29,11 @@ def test_the_first_line_is_the_untrained_models_evaluation(tmp_path, tiny_flux_p
     # Training is the same with or without it (its RNG use is forked off).
     quiet = tmp_path / "quiet"
     run_script(f"algos/{script}.py", *TINY, "--eval-every", "0", "--output-dir", quiet)
-    trained = [{k: v for k, v in line.items() if not k.startswith("eval_") and not k.endswith("_time_s")
-                and k != "peak_memory_gb"} for line in read_metrics(out)]
+    measured = ("_time_s", "tflops", "mfu", "peak_memory_gb")
+    trained = [{k: v for k, v in line.items() if not k.startswith("eval_") and not k.endswith(measured)}
+               for line in read_metrics(out)]
     assert [line["epoch"] for line in read_metrics(quiet, base=True)] == [0, 1]
-    assert trained == [{k: v for k, v in line.items() if not k.endswith("_time_s") and k != "peak_memory_gb"}
-                       for line in read_metrics(quiet)]
+    assert trained == [{k: v for k, v in line.items() if not k.endswith(measured)} for line in read_metrics(quiet)]
 
     # A resumed run continues after its checkpoint and does not evaluate the base again.
     run_script(f"algos/{script}.py", *TINY[:2], "--epochs", "3", "--save-every", "1", "--eval-every", "1",

@@ -14,7 +14,7 @@ from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script, script_err
 
 TINY = ["--preset", "tiny"]
 FAST = TINY + ["--epochs", "2", "--eval-every", "1", "--eval-num-prompts", "2"]
-TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "peak_memory_gb"}  # measured
+TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflops", "mfu", "peak_memory_gb"}  # measured
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +28,9 @@ def test_two_epochs_write_metrics_eval_grid_and_checkpoint(two_epoch_run):
     metrics = read_metrics(two_epoch_run)
     assert [m["epoch"] for m in metrics] == [0, 1]
     required = {"epoch", "reward_mean", "reward_std", "loss", "approx_kl", "clipfrac", "epoch_time_s",
-                "num_processes", "eval_reward_mean", "ratio_dev_first", "zero_std_frac", "samples_seen"}
+                "num_processes", "eval_reward_mean", "ratio_dev_first", "zero_std_frac", "samples_seen", "tflops"}
     assert all(required <= m.keys() for m in metrics)
+    assert all(m["tflops"] > 0 and "mfu" not in m for m in metrics)  # a CPU has no known peak: no mfu
     assert all(np.isfinite(m[k]) for m in metrics for k in required if isinstance(m[k], float))
     assert metrics[0]["num_processes"] == 1 and metrics[1]["samples_seen"] == 32
     assert (two_epoch_run / "eval" / "epoch_000001.png").exists()

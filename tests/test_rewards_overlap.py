@@ -25,7 +25,7 @@ SCRIPTS = ["awm", "crd", "dgpo", "dpo", "dppo", "grpo", "grpo_guard", "mixgrpo",
 SMALL = ["--preset", "tiny", "--epochs", "2", "--eval-every", "0", "--prompts-per-epoch", "2", "--group-size", "4",
          "--batch-size", "4", "--resolution", "32", "--max-sequence-length", "16",
          "--reward", "jpeg_compressibility", "--reward", "overlap_rewards:GroupContrast"]
-TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "peak_memory_gb"}
+TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflops", "mfu", "peak_memory_gb"}
 ENV = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
 
 

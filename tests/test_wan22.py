@@ -21,7 +21,7 @@ MODELS = ("wan2.2", "wan2.2-5b")
 GUIDANCE = {"wan2.2": (4.0, 3.0), "wan2.2-5b": 5.0}  # the references' CFG scales ((high, low) for the experts)
 FRAMES = 5
 PROMPTS = [Prompt("a photo of a red cat", "blurry, low quality"), Prompt("a dog", "")]
-TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "peak_memory_gb"}
+TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflops", "mfu", "peak_memory_gb"}
 
 
 @pytest.fixture(scope="module")

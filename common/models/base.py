@@ -83,10 +83,11 @@ class _Adapter:
         try:
             for name in names:
                 getattr(self.pipe, name).set_attention_backend(backend)
-            query = torch.randn(1, 16, 2, 64, device=self.device, dtype=self.dtype, requires_grad=backward)
-            out = dispatch_attention_fn(query, query, query, backend=backend)
-            if backward:
-                out.float().sum().backward()
+            with torch.enable_grad() if backward else torch.no_grad():
+                query = torch.randn(1, 16, 2, 64, device=self.device, dtype=self.dtype, requires_grad=backward)
+                out = dispatch_attention_fn(query, query, query, backend=backend)
+                if backward:
+                    out.float().sum().backward()
         except (RuntimeError, ValueError, NotImplementedError, ImportError) as err:
             for name in names:
                 getattr(self.pipe, name).reset_attention_backend()
