@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# GPU check of the scale-out paths, on one CUDA machine (one GPU is enough), in about 5 minutes:
-#   1. benchmarks/flux_step.py: a bf16 LoRA Flow-GRPO step on a FLUX.1-dev-sized transformer (random weights),
-#      512 and 1024 px, with and without gradient checkpointing: step time and peak memory.
-#   2. accelerate's real DeepSpeed ZeRO-2 and FSDP2 plugin paths (NCCL, bf16) with the unchanged scripts on the
-#      tiny FLUX.1: grpo LoRA under ZeRO-2 stopped after 2 epochs and resumed must equal 3 uninterrupted epochs;
-#      nft full fine-tuning under ZeRO-2 and FSDP2; grpo LoRA under FSDP2.
+# GPU check, on one CUDA machine (one GPU is enough). Three parts, each under its own time limit; PARTS picks them
+# (default "throughput flux_step": at most 10 minutes; add distributed for the scale-out paths, about 5 more):
+#   throughput  benchmarks/throughput.py: every script for 2 epochs on a FLUX.1 at FLUX.1-dev's widths (random
+#      weights, 2 + 4 blocks) at 512 px: rollout and training seconds, s / optimizer step, TFLOP/s and MFU (the
+#      scripts' own FLOPs count), peak memory, grpo's bf16 ratio drift, and the embedding cache against online
+#      encoding: one table (at most 6 minutes; a run over 60 s is reported as failed and the table still prints).
+#   flux_step   benchmarks/flux_step.py: a bf16 LoRA Flow-GRPO step on a FLUX.1-dev-sized transformer (random
+#      weights), 512 and 1024 px, with and without gradient checkpointing: step time and peak memory.
+#   distributed accelerate's real DeepSpeed ZeRO-2 and FSDP2 plugin paths (NCCL, bf16) with the unchanged scripts
+#      on the tiny FLUX.1: grpo LoRA under ZeRO-2 stopped after 2 epochs and resumed must equal 3 uninterrupted
+#      epochs; nft full fine-tuning under ZeRO-2 and FSDP2; grpo LoRA under FSDP2.
 #   bash benchmarks/gpu_check.sh OUT_DIR        (logs and JSON land in OUT_DIR; exit status 1 if a check failed)
+#   PARTS=throughput bash benchmarks/gpu_check.sh OUT_DIR      (only the table)
+#   PARTS="throughput flux_step distributed" bash benchmarks/gpu_check.sh OUT_DIR    (everything, about 15 minutes)
 set -uo pipefail
 out=${1:?usage: gpu_check.sh OUT_DIR}
 mkdir -p "$out"
@@ -29,9 +36,21 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, accelerate, deepspeed, diffusers, peft; print('torch', torch.__version__, '| accelerate', \
 accelerate.__version__, '| deepspeed', deepspeed.__version__, '| diffusers', diffusers.__version__, '| peft', peft.__version__)"
 
+parts=" ${PARTS:-throughput flux_step} "
+
+# THROUGHPUT_ARGS="--size tiny --resolution 64 --scripts grpo nft" tries it on a CPU in a few minutes
+if [[ $parts == *" throughput "* ]]; then
+  check throughput 360 python3 benchmarks/throughput.py ${THROUGHPUT_ARGS:-} --output-dir /tmp/gpu-check-throughput \
+    --json-out "$out/throughput.json"
+  grep -E '; FLUX.1 at|^\||^embedding cache' "$out/throughput.log"
+fi
+
 # FLUX_STEP_ARGS="--size tiny --resolutions 64" tries the whole script on a CPU in a few minutes
-check flux_step 200 python3 benchmarks/flux_step.py ${FLUX_STEP_ARGS:-} --json-out "$out/flux_step.json"
-grep '^|\|^transformer' "$out/flux_step.log"
+if [[ $parts == *" flux_step "* ]]; then
+  check flux_step 200 python3 benchmarks/flux_step.py ${FLUX_STEP_ARGS:-} --json-out "$out/flux_step.json"
+  grep '^|\|^transformer' "$out/flux_step.log"
+fi
+[[ $parts == *" distributed "* ]] || exit $status
 
 tiny=(--preset tiny --batch-size 4 --eval-every 1 --eval-num-prompts 4 --ema --kl-beta 0.01 --save-every 1)
 ds=(python3 -m accelerate.commands.launch --config_file configs/deepspeed_zero2.yaml --num_processes 1)

@@ -52,6 +52,10 @@ class Args:
     max_sequence_length: int = 64
     output_dir: str = "runs/bench-throughput"
     json_out: str | None = None
+    peak_tflops: float | None = None
+    """the GPU's peak for mfu (unset: the scripts' default for a known GPU; on a CPU no mfu)"""
+    timeout_s: float = 60.0
+    """a run still going after this many seconds is stopped and reported as failed (the table still prints)"""
     extra_args: str = ""
     """more flags for every run, e.g. "--attention-backend flash --gradient-checkpointing" """
 
@@ -107,9 +111,13 @@ def train(script: str, model: Path, out: Path, args: Args, *flags) -> dict:
                "--resolution", str(args.resolution), "--max-sequence-length", str(args.max_sequence_length),
                "--epochs", str(args.epochs), "--prompts-per-epoch", str(args.prompts_per_epoch),
                "--group-size", str(args.group_size), "--batch-size", str(args.batch_size), "--eval-every", "0",
-               "--save-every", "0", "--output-dir", str(out), "--cache-dir", str(out.parent / "cache"), *args.extra_args.split(), *map(str, flags)]
+               "--save-every", "0", "--output-dir", str(out), "--cache-dir", str(out.parent / "cache"), *args.extra_args.split(),
+               *(["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops else []), *map(str, flags)]
     start = time.time()
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    try:
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=args.timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"still running after {args.timeout_s:.0f} s (--timeout-s)"}
     if result.returncode != 0:
         tail = " ".join(result.stderr.strip().splitlines()[-2:])[-300:]
         return {"error": f"exit {result.returncode}: {tail}"}
@@ -156,7 +164,7 @@ if __name__ == "__main__":
         steps = row["optimizer_steps"] / args.epochs
         per_step = row["train_time_s"] / steps if steps else float("nan")
         print(f"| {name} | {cell(row, 'rollout_time_s', '.2f')} | {cell(row, 'train_time_s', '.2f')} | {steps:g} | "
-              f"{per_step:.3f} | {cell(row, 'tflops', '.1f')} | {cell(row, 'mfu', '.3f')} | "
+              f"{per_step:.3f} | {cell(row, 'tflops', '.3g')} | {cell(row, 'mfu', '.3f')} | "
               f"{cell(row, 'peak_memory_gb', '.1f')} | {cell(row, 'ratio_dev_first', '.2e')} |")
     cached, online = rows.get("grpo", {}), rows["grpo --no-cache"]
     if "epoch_time_s" in cached and "epoch_time_s" in online:
