@@ -31,6 +31,13 @@ LONGEST_FIRST = ["test_toy_learning.py", "test_distributed.py", "test_matrix.py"
 SLOW = pytest.mark.slow
 
 
+def slow_except(values, *fast):
+    """A parametrize list whose cases are all in the full tier except `fast` (values, or tuples for several
+    argnames)."""
+    return [value if value in fast else pytest.param(*(value if isinstance(value, tuple) else (value,)), marks=SLOW)
+            for value in values]
+
+
 def pytest_addoption(parser):
     parser.addoption("--full", action="store_true",
                      help="the full tier: also the tests marked slow (learning, the whole matrix, distributed, "

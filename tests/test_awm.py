@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script, script_error
+from conftest import ACCELERATE_2CPU, REPO, SLOW, read_metrics, run_script, script_error
 
 TINY = ["--preset", "tiny"]
 FAST = TINY + ["--epochs", "2", "--eval-every", "1", "--eval-num-prompts", "2"]
@@ -136,6 +136,7 @@ def test_off_policy_samples_with_an_ema_that_lags_and_the_clip_engages(tmp_path)
     assert all(m["approx_kl"] > 0 for m in metrics[1:])
 
 
+@SLOW
 def test_reward_rises_on_tiny_flux(tmp_path):
     """Fixed seed, the tiny preset (50 epochs): the mean JPEG reward of the last 10 epochs beats the first 10's
     by > 0.3 kB (seen with the preset's uniform weighting: +0.73/+0.60/+0.88 for seeds 1-3)."""
@@ -146,6 +147,7 @@ def test_reward_rises_on_tiny_flux(tmp_path):
     assert last - first > 0.3
 
 
+@SLOW
 def test_resume_equals_the_uninterrupted_run(tmp_path):
     args = TINY + ["--epochs", "5", "--save-every", "2", "--eval-every", "2", "--eval-num-prompts", "2",
                    "--off-policy", "--time-sampling", "logit_normal"]
@@ -158,6 +160,7 @@ def test_resume_equals_the_uninterrupted_run(tmp_path):
     assert split == full
 
 
+@SLOW
 def test_two_processes(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     args = FAST + ["--batch-size", "4", "--eval-num-prompts", "4"]

@@ -13,7 +13,7 @@ from common.cache import (EmbeddingCache, PromptEncoder, build_cache, cache_text
 from common.data import DEFAULT_DATASET, Prompt, load_prompts
 from common.models import load_adapter
 from common.utils import UserError
-from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script
+from conftest import ACCELERATE_2CPU, REPO, SLOW, read_metrics, run_script
 
 TEXTS = cache_texts(load_prompts(DEFAULT_DATASET, "train"), load_prompts(DEFAULT_DATASET, "test"), False)
 
@@ -111,6 +111,7 @@ def test_interrupted_build_leaves_no_complete_looking_cache(adapter, tiny_flux_p
     assert not list(tmp_path.glob("*/manifest.json"))
 
 
+@SLOW
 def test_two_process_preprocess_equals_one_process(tmp_path, tiny_flux_path):
     one, two = tmp_path / "one", tmp_path / "two"
     args = ["--model-path", "tiny", "--max-sequence-length", "32", "--shard-size", "10"]

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.checkpoint import LORA_FILE
-from conftest import read_metrics, run_script
+from conftest import SLOW, read_metrics, run_script, slow_except
 
 TINY = ["--preset", "tiny", "--eval-every", "0"]
 BASE = TINY + ["--epochs", "4", "--save-every", "2"]  # checkpoints epoch_000001 and epoch_000003
@@ -84,7 +84,7 @@ def test_meta_json_is_written_last_and_lists_the_sha256_of_every_other_file(lora
     assert (folder / "meta.json").stat().st_mtime_ns >= max(p.stat().st_mtime_ns for p in files.values())
 
 
-@pytest.mark.parametrize("name", [LORA_FILE, "training_state.pt", "rng_0.pt"])
+@pytest.mark.parametrize("name", slow_except([LORA_FILE, "training_state.pt", "rng_0.pt"], LORA_FILE))
 def test_a_flipped_bit_skips_the_checkpoint_naming_the_file(lora_runs, tmp_path, name):
     out = copy_of(lora_runs, tmp_path)
     flip_bit(out / "checkpoints" / "epoch_000003" / name)
@@ -94,6 +94,7 @@ def test_a_flipped_bit_skips_the_checkpoint_naming_the_file(lora_runs, tmp_path,
     assert_equal_runs(out, lora_runs[1])
 
 
+@SLOW
 def test_a_flipped_bit_in_full_fine_tuned_weights_skips_the_checkpoint(full_runs, tmp_path):
     out = copy_of(full_runs, tmp_path)
     shard = next((out / "checkpoints" / "epoch_000003" / "transformer").glob("*.safetensors"))
@@ -113,6 +114,7 @@ def test_a_hand_edited_epoch_in_meta_json_skips_the_checkpoint(lora_runs, tmp_pa
     assert_equal_runs(out, lora_runs[1])
 
 
+@SLOW
 def test_a_checkpoint_written_before_the_hashes_still_resumes(lora_runs, tmp_path):
     out = copy_of(lora_runs, tmp_path)
     edit_meta(out / "checkpoints" / "epoch_000003", lambda meta: meta.pop("sha256"))
@@ -124,6 +126,7 @@ def test_a_checkpoint_written_before_the_hashes_still_resumes(lora_runs, tmp_pat
 
 @pytest.mark.parametrize("damage,why", [("nan", f"{LORA_FILE} holds non-finite weights"),
                                         ("truncated", f"{LORA_FILE} does not load")])
+@SLOW
 def test_without_hashes_damaged_weights_are_still_found(lora_runs, tmp_path, damage, why):
     out = copy_of(lora_runs, tmp_path)
     folder = out / "checkpoints" / "epoch_000003"

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ACCELERATE_2CPU, REPO, free_port, read_metrics, run_script
+from conftest import ACCELERATE_2CPU, REPO, SLOW, free_port, read_metrics, run_script, slow_except
 
 # tiny's --save-every is 50: of these 5 epochs only the last is a checkpoint epoch.
 ARGS = ["--preset", "tiny", "--eval-every", "0", "--epochs", "5"]
@@ -109,7 +109,7 @@ def killed_before_checkpoint(tmp_path_factory, tiny_flux_path):
     return out
 
 
-@pytest.mark.parametrize("resume", [True, False])
+@pytest.mark.parametrize("resume", slow_except([True, False], False))
 def test_a_run_stopped_before_its_first_checkpoint_starts_again_from_scratch(killed_before_checkpoint, full_run,
                                                                               tmp_path, resume):
     out = tmp_path / "run"
@@ -161,6 +161,7 @@ def _process_of_rank(launcher: subprocess.Popen, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank}")
 
 
+@SLOW
 def test_sigterm_to_one_of_two_processes_stops_both_after_the_same_epoch(tmp_path):
     """Only rank 1 gets the signal; rank 0 learns of it through the all-reduce at the end of each epoch."""
     launcher = ACCELERATE_2CPU + ["--main_process_port", str(free_port())]

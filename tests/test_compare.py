@@ -7,7 +7,7 @@ import math
 import numpy as np
 from PIL import Image
 
-from conftest import REPO, read_metrics, run_script
+from conftest import REPO, SLOW, read_metrics, run_script
 
 COLUMNS = ["algorithm", "M×K", "epochs", "final", "reached", "epochs to threshold", "samples to threshold",
            "time to threshold (s)", "CPU min to threshold", "rollout s/epoch", "reward s/epoch", "train s/epoch",
@@ -249,6 +249,7 @@ def test_bad_flags():
     assert result.returncode == 2 and "--extra-args sets --seed" in result.stderr, result.stderr
 
 
+@SLOW
 def test_stop_at_threshold(tmp_path):
     """--stop-at-threshold ends a run once its curve reaches its threshold: here the untrained model's own
     evaluation does, so the run stops long before its 20 epochs, and --reuse keeps the stopped run."""

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script, script_error
+from conftest import ACCELERATE_2CPU, REPO, SLOW, read_metrics, run_script, script_error
 
 TINY = ["--preset", "tiny"]
 # KL on (reward-adaptive) and both snapshots moving from the first epoch on, so resume has state to restore.
@@ -221,6 +221,7 @@ def test_two_epochs_write_metrics_and_hold_the_step0_invariants(two_epoch_run):
     assert metrics[1]["samples_seen"] == 32 and (two_epoch_run / "eval" / "epoch_000001.png").exists()
 
 
+@SLOW
 def test_reward_rises_on_tiny_flux(tmp_path):
     """Fixed seed, the tiny preset cut to 40 epochs (Euler rollouts by the sampler snapshot, on-policy throughout):
     the mean JPEG reward of the last 10 epochs beats the first 10's by > 0.5 kB. Seen: +0.71 / +1.04 / +1.06 for
@@ -235,6 +236,7 @@ def test_reward_rises_on_tiny_flux(tmp_path):
     assert last - first > 0.5
 
 
+@SLOW
 def test_resume_equals_the_uninterrupted_run(tmp_path, two_epoch_run):
     """Stopped after epoch 0 and resumed: both snapshots (blended at d = 0.255 and 0.4) come back from the
     checkpoint, so epoch 1 is bitwise the uninterrupted run's."""
@@ -244,6 +246,7 @@ def test_resume_equals_the_uninterrupted_run(tmp_path, two_epoch_run):
     assert strip(read_metrics(tmp_path)) == strip(read_metrics(two_epoch_run))
 
 
+@SLOW
 def test_two_processes(tmp_path, two_epoch_run):
     """Whole groups on each process: the same samples, σ's and ε's, the same centring, DDP's gradient mean."""
     run_script("algos/crd.py", *FAST, "--output-dir", tmp_path, launcher=ACCELERATE_2CPU)

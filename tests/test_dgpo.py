@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script, script_error
+from conftest import ACCELERATE_2CPU, REPO, SLOW, read_metrics, run_script, script_error
 
 TINY = ["--preset", "tiny"]
 # A micro-batch of 4 is below K = 8: training micro-batches are then one whole group, on 1 and on 2 processes. The
@@ -185,6 +185,7 @@ def test_two_epochs_write_metrics_and_hold_the_step_zero_invariants(two_epoch_ru
     assert (two_epoch_run / "checkpoints" / "epoch_000001" / "pytorch_lora_weights.safetensors").exists()
 
 
+@SLOW
 def test_two_processes(tmp_path, two_epoch_run):
     run_script("algos/dgpo.py", *FAST, "--output-dir", tmp_path, launcher=ACCELERATE_2CPU)
     m1, m2 = read_metrics(two_epoch_run), read_metrics(tmp_path)
@@ -196,6 +197,7 @@ def test_two_processes(tmp_path, two_epoch_run):
     assert m2[1]["kl"] == pytest.approx(m1[1]["kl"], rel=1e-3)
 
 
+@SLOW
 def test_resume_equals_uninterrupted_across_the_sampler_switch(tmp_path, two_epoch_run):
     """The 2-epoch run, resumed to 4 epochs, writes the metrics of an uninterrupted 4-epoch run: epochs 0-1 roll out
     with θ, epochs 2-3 with ema_ref, which then lags θ: ρ leaves 1 ± 1e-4, the clip engages and, ema_ref being the
@@ -213,6 +215,7 @@ def test_resume_equals_uninterrupted_across_the_sampler_switch(tmp_path, two_epo
         assert m["dsm_loss"] != m["ref_dsm_loss"]
 
 
+@SLOW
 def test_reward_rises_on_tiny_flux(tmp_path):
     """Fixed seed, the tiny preset (50 epochs, the frozen reference, the ema_ref sampler from epoch 31): the mean JPEG
     reward of the last 10 epochs beats the first 10's by > 0.3 kB (seen when written: +0.81/+0.82/+0.93 for seeds 1-3;

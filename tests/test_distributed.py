@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script
+from conftest import ACCELERATE_2CPU, REPO, SLOW, read_metrics, run_script
 
 TORCHRUN_2CPU = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 CONFIGS = REPO / "configs"
@@ -115,6 +115,7 @@ def test_full_finetune_waits_on_the_cpu_until_prepare_under_sharding():
     assert place_like(None, trained) is None
 
 
+@SLOW
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_fsdp2_step_matches_unsharded(mode, tmp_path, tiny_flux_path):
     """tests/fsdp_step.py: loss, KL to the reference, θ_old shadow, EMA, clipping and AdamW on 2 shards equal the
@@ -142,6 +143,7 @@ def _metrics(output_dir):
     return [{k: v for k, v in m.items() if k not in SKIP} for m in read_metrics(output_dir)]
 
 
+@SLOW
 def test_grpo_script_under_fsdp2_matches_ddp_and_resumes(tmp_path, tiny_flux_path):
     """algos/grpo.py unchanged, its transformer sharded by accelerate's FSDP2 code (configs/fsdp2.yaml: block
     wrapping + activation checkpointing), LoRA with KL and EMA: the first epoch equals the DDP run, and a run
@@ -168,6 +170,7 @@ def test_grpo_script_under_fsdp2_matches_ddp_and_resumes(tmp_path, tiny_flux_pat
     assert lora and all(k.startswith("transformer.") and "lora_" in k and "_checkpoint" not in k for k in lora)
 
 
+@SLOW
 def test_nft_full_finetune_under_fsdp2_matches_ddp(tmp_path, tiny_flux_path):
     """algos/nft.py full fine-tuning with a KL reference: the frozen reference and the θ_old copy are sharded
     like the trained model (place_like); the first epoch equals DDP and the checkpoint loads with from_pretrained."""
@@ -195,6 +198,7 @@ def test_nft_full_finetune_under_fsdp2_matches_ddp(tmp_path, tiny_flux_path):
 DEEPSPEED = ["tests/deepspeed_launch.py", "configs/deepspeed_zero2.yaml"]
 
 
+@SLOW
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_deepspeed_zero2_step_matches_plain(mode, tmp_path, tiny_flux_path):
     """tests/deepspeed_step.py: two micro-steps per optimizer step on a ZeRO-2 engine (2 processes) equal the
@@ -218,6 +222,7 @@ def test_deepspeed_zero2_step_matches_plain(mode, tmp_path, tiny_flux_path):
         assert r["lora_effect"] > 1e-2
 
 
+@SLOW
 def test_grpo_script_under_deepspeed_matches_ddp_and_resumes(tmp_path, tiny_flux_path):
     """algos/grpo.py unchanged under accelerate's DeepSpeed ZeRO-2 path, LoRA with KL and EMA: in float32 its
     first epoch equals the DDP run; in bf16 (DeepSpeed casts the module, the optimizer keeps float32 masters) a
@@ -252,6 +257,7 @@ def test_grpo_script_under_deepspeed_matches_ddp_and_resumes(tmp_path, tiny_flux
     assert any((v.float() != v.bfloat16().float()).any() for v in lora.values())  # not bf16 values
 
 
+@SLOW
 @pytest.mark.parametrize("script", ["grpo_guard", "mixgrpo", "nft", "awm", "dpo", "dgpo", "crd"])
 def test_other_scripts_run_under_deepspeed(script, tmp_path, tiny_flux_path):
     """Every other script, unchanged, LoRA and (nft) full fine-tuning, in bf16 as on GPUs (DeepSpeed casts the
@@ -272,6 +278,7 @@ def test_other_scripts_run_under_deepspeed(script, tmp_path, tiny_flux_path):
     assert (checkpoint / ("transformer" if script == "nft" else "pytorch_lora_weights.safetensors")).exists()
 
 
+@SLOW
 def test_nft_lora_under_deepspeed_bf16_blends_theta_old_in_float32(tmp_path, tiny_flux_path):
     """DeepSpeed bf16 casts the whole module, the θ_old LoRA adapter too; its blends (decay up to 0.999 in the
     FLUX preset, below one bf16 step) must still happen in float32."""

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script
+from conftest import ACCELERATE_2CPU, REPO, SLOW, read_metrics, run_script
 
 TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflops", "mfu", "peak_memory_gb"}  # measured
 LOG2 = float(np.float32(np.log(2.0)))  # −log sigmoid(0) in float32
@@ -194,6 +194,7 @@ def test_online_reference_and_groups_without_a_pair(online_run):
     assert all("eval_reward_mean" in m for m in metrics)
 
 
+@SLOW
 def test_resume_equals_the_uninterrupted_run(online_run, tmp_path, ties_env):
     """Stopped after epoch 1 (the checkpoint holds θ and the reference adapter, refreshed there) and resumed for
     epochs 2-3: every metric but the timings is bitwise equal."""
@@ -203,6 +204,7 @@ def test_resume_equals_the_uninterrupted_run(online_run, tmp_path, ties_env):
     assert strip(read_metrics(tmp_path)) == strip(read_metrics(online_run))
 
 
+@SLOW
 def test_two_processes_with_unequal_pair_counts(online_run, tmp_path, ties_env):
     """2 processes, 2 whole groups each: at epoch 1 process 0 has no pair and runs padding only, as many backward
     calls as process 1 (at epoch 3 both do). Each pair's (σ, ε) come from its slot's seed and DDP averages over all
@@ -219,6 +221,7 @@ def test_two_processes_with_unequal_pair_counts(online_run, tmp_path, ties_env):
     assert two[3]["grad_norm"] == 0 and two[3]["eval_reward_mean"] == pytest.approx(one[3]["eval_reward_mean"], rel=1e-3)
 
 
+@SLOW
 def test_reward_rises_on_tiny_flux(tmp_path):
     """Fixed seed, the tiny preset (50 epochs, adapters-disabled reference, β = 1): epoch 0 sits exactly at θ = ref,
     and the mean JPEG reward of the last 10 epochs beats the first 10's by > 0.4 kB (seen: +0.95/+0.88/+0.69 for

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script, script_error
+from conftest import ACCELERATE_2CPU, REPO, SLOW, read_metrics, run_script, script_error
 
 TINY = ["--preset", "tiny"]
 FAST = TINY + ["--epochs", "2", "--eval-every", "1", "--eval-num-prompts", "2"]
@@ -211,6 +211,7 @@ def test_sparse_sde_steps_and_no_mask(tmp_path):
     assert all(m["divergence_max"] > 0 for m in metrics)
 
 
+@SLOW
 def test_reward_rises_on_tiny_flux(tmp_path):
     """Fixed seed, the tiny preset's first 80 of 150 epochs: the last 20 epochs' mean JPEG reward beats the first
     20's by > 0.4 kB, as grpo's own test asks. Seen on this project's 2-core CPU (2026-12-03): +0.78 kB for seed 1
@@ -225,6 +226,7 @@ def test_reward_rises_on_tiny_flux(tmp_path):
     assert last - first > 0.4
 
 
+@SLOW
 def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path):
     args = TINY + ["--epochs", "8", "--save-every", "2", "--eval-every", "3", "--eval-num-prompts", "2",
                    "--num-sde-steps", "3", "--sde-window-range", "0", "6"]
@@ -245,6 +247,7 @@ def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path):
     assert strip(read_metrics(killed)) == strip(read_metrics(tmp_path / "full"))
 
 
+@SLOW
 def test_two_processes(tmp_path):
     """One optimizer step per epoch, so both runs step on the same 16 samples (with two, the plan gives each step
     half of each process's samples, another split than one process's)."""

@@ -13,7 +13,7 @@ from PIL import Image
 
 from common import tracking
 
-from conftest import read_metrics, run_script, script_error
+from conftest import SLOW, read_metrics, run_script, script_error, slow_except
 
 TINY = ["--preset", "tiny", "--epochs", "2", "--eval-every", "1", "--save-every", "1", "--eval-num-prompts", "3",
         "--eval-seeds", "2"]
@@ -23,7 +23,7 @@ def eval_keys(line: dict) -> dict:
     return {k: v for k, v in line.items() if k.startswith("eval_")}
 
 
-@pytest.mark.parametrize("variant", ["lora", "ema", "full"])
+@pytest.mark.parametrize("variant", slow_except(["lora", "ema", "full"], "lora"))
 def test_a_run_folder_reproduces_its_logged_evaluations(tmp_path, tiny_flux_path, variant):
     out = tmp_path / "run"
     extra = {"lora": [], "ema": ["--ema"], "full": ["--full-finetune", "--learning-rate", "1e-3"]}[variant]
@@ -39,6 +39,7 @@ def test_a_run_folder_reproduces_its_logged_evaluations(tmp_path, tiny_flux_path
     assert (tmp_path / "grids" / "run.png").exists() and (tmp_path / "grids" / "run-base.png").exists()
 
 
+@SLOW
 def test_a_model_given_by_flags_and_several_runs(tmp_path, tiny_flux_path):
     runs = [tmp_path / "one", tmp_path / "two"]
     for seed, out in enumerate(runs, start=1):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, slow_except
 
 TINY = ["--preset", "tiny", "--eval-every", "0"]
 FULL = "No space left on device): free space and rerun with --resume (the previous checkpoints are intact)"
@@ -78,7 +78,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", slow_except(list(CASES), "checkpoint"))
 def test_a_full_disk_stops_with_one_line_and_a_resume_after_freeing_space_finishes(base_run, tmpfs, case):
     from common.checkpoint import read_checkpoint
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script, script_error
+from conftest import ACCELERATE_2CPU, REPO, SLOW, read_metrics, run_script, script_error
 
 TINY = ["--preset", "tiny"]
 FAST = TINY + ["--epochs", "2", "--eval-every", "1", "--eval-num-prompts", "2"]
@@ -60,6 +60,7 @@ def test_ratio_is_exactly_one_before_the_first_update(two_epoch_run, tmp_path):
     assert all(m["ratio_dev_first"] < 1e-6 for m in metrics) and all(m["approx_kl"] > 0 for m in metrics)
 
 
+@SLOW
 def test_reward_rises_on_tiny_flux(tmp_path):
     """Fixed seed, the tiny preset's first 80 of 150 epochs: the last 20 epochs' mean JPEG reward beats the first
     20's by > 0.4 kB. Seen on the 2-core AMD EPYC of CI (2026-12-01): seed 2 +0.87 kB after 80 epochs and +1.03
@@ -91,6 +92,7 @@ def test_lora_kl_to_the_disabled_adapter(tmp_path):
     assert metrics[1]["kl"] > 0 and all(m["ratio_dev_first"] < 1e-6 for m in metrics)
 
 
+@SLOW
 def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path):
     args = TINY + ["--epochs", "8", "--save-every", "2", "--eval-every", "3", "--eval-num-prompts", "2", "--ema"]
     run_script("algos/grpo.py", *args, "--output-dir", tmp_path / "full")
@@ -200,6 +202,7 @@ def test_track_tensorboard_writes_events_and_the_eval_grid_under_the_output_dir(
     assert "reward_mean" in accumulator.Tags()["scalars"] and "eval/samples" in accumulator.Tags()["images"]
 
 
+@SLOW
 def test_warmup_cosine_schedule_resumes_exactly(tmp_path):
     """A run killed after epoch 3 (its folder as the kill leaves it: checkpoint epoch_000002, one more metrics line)
     resumes into the same learning rates and metrics as the uninterrupted run."""
@@ -240,6 +243,7 @@ def score(images, prompts):
 '''
 
 
+@SLOW
 def test_two_processes_when_one_holds_only_dropped_samples(tmp_path):
     """Seed 20, epoch 0 draws (M 2, K 4) the second prompt's whole group onto process 0; its rewards are all equal, so
     every sample of process 0 is dropped and it trains on one padding micro-batch. Its statistics are empty, yet the

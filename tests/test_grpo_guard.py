@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import torch
-from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script, script_error, sde_trajectory
+from conftest import ACCELERATE_2CPU, REPO, SLOW, read_metrics, run_script, script_error, sde_trajectory
 
 
 def load_script(name):
@@ -80,6 +80,7 @@ def test_resume_equals_uninterrupted_and_first_ratio_is_one(tmp_path):
     assert max(m["ratio_dev_first"] for m in a + b) < 1e-6
 
 
+@SLOW
 def test_two_processes(tmp_path):
     out = tmp_path / "ddp"
     run_script("algos/grpo_guard.py", *SMALL, "--updates-per-epoch", "1", "--epochs", "2", "--output-dir", out,
@@ -95,6 +96,7 @@ def test_refuses_other_dynamics(tmp_path):
         assert line.startswith(f"error: invalid choice '{dynamics}' for argument '--dynamics'") and "flow-sde" in line
 
 
+@SLOW
 def test_learns_on_tiny_flux(tmp_path):
     # tiny preset, 60 epochs: mean reward of the last 10 minus the first 10 epochs. On the 2-core AMD EPYC of CI
     # (2026-12-01) seeds 1/2/3 gave +0.02/+0.91/+1.04 kB (where this was first written: +0.93/+1.03/+1.00; the

@@ -14,7 +14,7 @@ from common.data import Prompt, load_prompts
 from common.models import load_adapter
 from common.sampling import sample_generators
 from common.training import add_lora
-from conftest import ode_sample
+from conftest import SLOW, ode_sample
 
 RESOLUTION, GUIDANCE = 32, 2.5
 
@@ -169,6 +169,7 @@ def test_bad_conditions_stop_every_script_before_anything_is_written(dataset, tm
     assert not (tmp_path / "out").exists() or {p.name for p in (tmp_path / "out").iterdir()} <= {".lock"}
 
 
+@SLOW
 def test_two_processes_train_on_conditions(tmp_path, edit_dataset):
     """grpo on flux1-kontext under 2 processes equals the one-process run (the K samples of a prompt share its
     condition, whichever process draws them)."""
@@ -187,6 +188,7 @@ def test_two_processes_train_on_conditions(tmp_path, edit_dataset):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), key
 
 
+@SLOW
 def test_preprocess_caches_conditions_and_training_from_it_equals_online(tmp_path, edit_dataset):
     """preprocess.py stores the condition latents with the text embeddings; a run that finds the cache loads no
     text encoder and logs what the online run logs."""

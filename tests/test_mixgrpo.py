@@ -10,7 +10,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script, script_error
+from conftest import ACCELERATE_2CPU, REPO, SLOW, read_metrics, run_script, script_error
 
 
 def load_script(name):
@@ -187,6 +187,7 @@ SMALL = ["--preset", "tiny", "--num-steps", "5", "--window-size", "2", "--iters-
          "--eval-every", "0"]
 
 
+@SLOW
 def test_resume_continues_the_window_schedule_and_equals_an_uninterrupted_run(tmp_path):
     full, split = tmp_path / "full", tmp_path / "split"
     run_script("algos/mixgrpo.py", *SMALL, "--flash", "--epochs", "8", "--save-every", "3", "--output-dir", full)
@@ -204,6 +205,7 @@ def test_resume_continues_the_window_schedule_and_equals_an_uninterrupted_run(tm
     assert max(m["ratio_dev_first"] for m in a + b) < 1e-6
 
 
+@SLOW
 def test_two_processes(tmp_path):
     out = tmp_path / "ddp"
     run_script("algos/mixgrpo.py", *SMALL, "--window-schedule", "random", "--updates-per-epoch", "1",
@@ -220,6 +222,7 @@ def test_bad_flags_give_one_line_errors(tmp_path):
         assert needle in script_error("algos/mixgrpo.py", *SMALL, *flags, "--output-dir", tmp_path / "bad")
 
 
+@SLOW
 def test_flash_learns_on_tiny_flux(tmp_path):
     # tiny preset (12 steps, window 4 moving every 10 epochs) with Flash, 60 epochs. When this was written, mean
     # reward of the last 10 minus the first 10 epochs: seeds 1/2/3 +0.89/+1.02/+1.03 kB with Flash, +0.97/+0.54/

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script, script_error
+from conftest import ACCELERATE_2CPU, REPO, SLOW, read_metrics, run_script, script_error
 
 TINY = ["--preset", "tiny"]
 FAST = TINY + ["--epochs", "2", "--eval-every", "1", "--eval-num-prompts", "2", "--kl-beta", "1e-4"]
@@ -197,6 +197,7 @@ def test_theta_old_frozen_by_the_decay_stays_the_reference(tmp_path, two_epoch_r
     assert abs(metrics[0]["reward_mean"] - read_metrics(two_epoch_run)[0]["reward_mean"]) > 1e-4
 
 
+@SLOW
 def test_reward_rises_on_tiny_flux(tmp_path):
     """Fixed seed, the tiny preset (50 epochs, DPM-Solver++ rollouts): the mean JPEG reward of the last 10 epochs
     beats the first 10's by > 0.3 kB. Seen with the default discrete_random time sampling on the 2-core AMD EPYC of
@@ -210,6 +211,7 @@ def test_reward_rises_on_tiny_flux(tmp_path):
     assert last - first > 0.3
 
 
+@SLOW
 def test_resume_equals_the_uninterrupted_run(tmp_path):
     """Also a θ_old schedule that moves every epoch: 2 optimizer steps per epoch, so k = 2, 4, 6, 8 and
     d = 0 (k ≤ flat 2), 0.25·(4 − 2) = 0.5, then the cap 0.6."""
@@ -226,6 +228,7 @@ def test_resume_equals_the_uninterrupted_run(tmp_path):
     assert [m["old_decay"] for m in full] == [0.0, 0.5, 0.6, 0.6]
 
 
+@SLOW
 def test_two_processes(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     args = FAST + ["--batch-size", "4", "--eval-num-prompts", "4"]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script, script_error
+from conftest import ACCELERATE_2CPU, REPO, SLOW, read_metrics, run_script, script_error
 
 TINY = ["--preset", "tiny"]
 TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflops", "mfu", "peak_memory_gb"}
@@ -248,6 +248,7 @@ def test_the_students_kl_to_a_tiny_teacher_falls(tmp_path, teacher_run):
     assert len(kl) == 12 and last < 0.5 * first
 
 
+@SLOW
 def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path, teacher_run):
     args = TINY + ["--epochs", "6", "--save-every", "2", "--eval-every", "3", "--eval-num-prompts", "2",
                    "--teacher", f"t={teacher_run}"]
@@ -268,6 +269,7 @@ def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path, teacher_run):
     assert strip(read_metrics(killed)) == strip(read_metrics(tmp_path / "full"))
 
 
+@SLOW
 def test_rewards_scored_during_the_rollout_equal_serial_scoring(tmp_path, teacher_run):
     """--reward-workers 0 (score after the rollout) and the default (score each micro-batch on threads while the next
     is denoised) log the same rewards and metrics and train the same weights."""
@@ -283,6 +285,7 @@ def test_rewards_scored_during_the_rollout_equal_serial_scoring(tmp_path, teache
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@SLOW
 def test_two_processes(tmp_path, teacher_run, tasks_data, tiny):
     args = TINY + ["--epochs", "1", "--eval-every", "0", "--batch-size", "2", "--dataset", tasks_data,
                    "--teacher", f"nft={teacher_run}:3", "--teacher", f"base={tiny[2]['base']}"]

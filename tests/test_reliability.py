@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script
+from conftest import ACCELERATE_2CPU, REPO, SLOW, read_metrics, run_script, slow_except
 
 TINY = ["--preset", "tiny", "--eval-every", "0"]
 BASE = TINY + ["--epochs", "4", "--save-every", "2"]  # checkpoints epoch_000001 and epoch_000003
@@ -52,7 +52,8 @@ def resume(out, *extra, script="algos/grpo.py", epochs=6, check=True):
 
 
 # ---- 1. --resume never destroys a run --------------------------------------------------------------------------
-@pytest.mark.parametrize("damage", ["latest deleted", "latest names a missing folder", "latest truncated"])
+@pytest.mark.parametrize("damage", slow_except(["latest deleted", "latest names a missing folder", "latest truncated"],
+                                                "latest truncated"))
 def test_resume_does_not_trust_latest(run_copy, damage):
     latest = run_copy / "checkpoints" / "latest"
     if damage == "latest deleted":
@@ -68,8 +69,9 @@ def test_resume_does_not_trust_latest(run_copy, damage):
 
 
 @pytest.mark.parametrize("damage,why", [
-    ("meta.json", "meta.json is missing"),
-    ("pytorch_lora_weights.safetensors", "pytorch_lora_weights.safetensors does not match its sha256 in meta.json"),
+    pytest.param("meta.json", "meta.json is missing", marks=SLOW),
+    pytest.param("pytorch_lora_weights.safetensors",
+                 "pytorch_lora_weights.safetensors does not match its sha256 in meta.json", marks=SLOW),
     ("training_state.pt", "training_state.pt does not match its sha256 in meta.json"),
 ])
 def test_resume_skips_an_incomplete_newest_checkpoint_and_says_why(run_copy, damage, why):
@@ -103,9 +105,9 @@ def test_resume_drops_a_metrics_line_cut_by_a_kill(run_copy):
 
 @pytest.mark.parametrize("flags,needle", [
     (["--seed", "2"], "--seed is 2 but the run in"),
-    (["--group-size", "4"], "--group-size is 4 but the run in"),
-    (["--prompts-per-epoch", "4"], "--prompts-per-epoch is 4 but the run in"),
-    (["--lora-rank", "4"], "--lora-rank is 4 but the run in"),
+    pytest.param(["--group-size", "4"], "--group-size is 4 but the run in", marks=SLOW),
+    pytest.param(["--prompts-per-epoch", "4"], "--prompts-per-epoch is 4 but the run in", marks=SLOW),
+    pytest.param(["--lora-rank", "4"], "--lora-rank is 4 but the run in", marks=SLOW),
     (["--model", "sd3", "--resolution", "32"], "--model is 'sd3' but the run in"),
 ])
 def test_resume_refuses_flags_that_change_the_run(run_copy, flags, needle):
@@ -142,6 +144,7 @@ def test_a_planted_temporary_metrics_symlink_is_not_written_through(run_copy, tm
     assert [m["epoch"] for m in read_metrics(run_copy)] == [0, 1, 2, 3, 4]
 
 
+@SLOW
 def test_resuming_on_another_process_count_says_so(run_copy):
     result = run_script("algos/grpo.py", *TINY, "--epochs", "5", "--save-every", "2", "--output-dir", run_copy,
                         "--resume", launcher=ACCELERATE_2CPU)
@@ -151,6 +154,7 @@ def test_resuming_on_another_process_count_says_so(run_copy):
 
 
 # ---- 2. errors reach the terminal under accelerate launch -------------------------------------------------------
+@SLOW
 def test_one_line_error_under_accelerate_launch(tmp_path):
     result = run_script("algos/grpo.py", "--preset", "tiny", "--reward", "foo", "--output-dir", tmp_path / "out",
                         launcher=ACCELERATE_2CPU, check=False)
@@ -175,6 +179,7 @@ def test_the_error_line_is_reported_once_per_launch_and_again_in_the_next(tmp_pa
         assert out == ["True", "False", "True"], out
 
 
+@SLOW
 def test_the_readme_two_process_command_runs_the_tiny_preset(tmp_path):
     """README: accelerate launch --multi_gpu --num_processes 2 ... algos/grpo.py --preset tiny (1 micro-batch of 8
     samples per process used to fail to split into 2 updates)."""

@@ -14,7 +14,7 @@ from PIL import Image
 
 from common.advantages import compute_advantages
 from common.utils import UserError
-from conftest import ACCELERATE_2CPU, read_metrics, run_script
+from conftest import ACCELERATE_2CPU, SLOW, read_metrics, run_script
 from rewards import load_rewards, parse_reward_spec, score_samples
 from rewards.clip import build_tiny_clip
 
@@ -316,6 +316,7 @@ def test_multi_reward_aggregation_against_numpy(clip_dir, custom_module, aggrega
                                rtol=1e-3, atol=1e-4)
 
 
+@SLOW
 def test_groupwise_rewards_over_two_processes(clip_dir, tmp_path):
     out = tmp_path / "result.json"
     run_script("tests/rewards_groupwise_dist.py", clip_dir, out, launcher=ACCELERATE_2CPU,

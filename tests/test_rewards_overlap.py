@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from common.scoring import RolloutScoring
 from common.utils import UserError
-from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script
+from conftest import ACCELERATE_2CPU, REPO, SLOW, read_metrics, run_script, slow_except
 from rewards import load_rewards, score_samples
 from rewards.remote import decode_images, encode_images
 from rewards.server import make_server
@@ -103,7 +103,7 @@ def same_runs(a, b):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", slow_except(SCRIPTS, "grpo"))
 def test_every_script_scores_the_same_with_and_without_workers(script, tmp_path, tiny_flux_path):
     serial, overlapped = tmp_path / "serial", tmp_path / "overlapped"
     run_script(f"algos/{script}.py", *SMALL, *STEPS[script], "--reward-workers", "0", "--output-dir", serial, env=ENV)
@@ -112,6 +112,7 @@ def test_every_script_scores_the_same_with_and_without_workers(script, tmp_path,
     same_runs(serial, overlapped)
 
 
+@SLOW
 @pytest.mark.parametrize("script", ["grpo"])
 def test_two_processes_score_the_same_with_and_without_workers(script, tmp_path, tiny_flux_path):
     serial, overlapped = tmp_path / "serial", tmp_path / "overlapped"
@@ -140,6 +141,7 @@ def test_a_raising_reward_stops_the_run_in_one_line(tmp_path):
         last.endswith("boom on the second micro-batch")
 
 
+@SLOW
 def test_a_reward_still_running_when_another_fails_ends_before_the_exit(tmp_path):
     # Busy is inside a torch op when Boom fails; before, the exit aborted the process there (exit 134, "terminate
     # called without an active exception" after the error line) whenever the timing fell that way (CI, once).
@@ -152,6 +154,7 @@ def test_a_wrong_length_reward_stops_the_run_in_one_line(tmp_path):
     assert last == "error: reward 'OneShort' returned shape (3,), expected (4,)"
 
 
+@SLOW
 def test_a_stuck_remote_reward_is_reported_early_then_stops_the_run(tmp_path):
     (local,) = load_rewards(["overlap_rewards:Sleepy,seconds=5"])
     server = make_server(local, "127.0.0.1", 0)

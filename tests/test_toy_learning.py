@@ -4,7 +4,7 @@ collected first, so that pytest-xdist (--dist loadfile) starts these long tests 
 
 import pytest
 
-from conftest import read_metrics, run_script
+from conftest import SLOW, read_metrics, run_script
 
 # Each script's `toy` preset with seed 1 for a stated number of epochs: held-out strict success (all 36 test prompts ×
 # 4 seeds) after the last epoch minus before the first update (the epoch −1 evaluation: the shipped model, the same
@@ -32,6 +32,7 @@ TOY_LEARNING = {
 }
 
 
+@SLOW
 @pytest.mark.parametrize("script", list(TOY_LEARNING))
 def test_toy_preset_raises_held_out_strict_success(script, tmp_path):
     epochs, margin, seen = TOY_LEARNING[script]

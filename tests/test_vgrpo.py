@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ACCELERATE_2CPU, REPO, read_metrics, run_script, script_error
+from conftest import ACCELERATE_2CPU, REPO, SLOW, read_metrics, run_script, script_error
 
 TINY = ["--preset", "tiny"]
 FAST = TINY + ["--epochs", "2", "--eval-every", "1", "--eval-num-prompts", "2"]
@@ -223,6 +223,7 @@ def test_one_step_per_epoch_skips_pass_one_with_ratio_exactly_one(tmp_path):
     assert all(m["ratio_min"] == m["ratio_max"] == 1 and m["clipfrac"] == 0 and m["approx_kl"] == 0 for m in metrics)
 
 
+@SLOW
 def test_reward_rises_on_tiny_flux(tmp_path):
     """Fixed seed, the tiny preset (50 epochs, one optimizer step per epoch): the mean JPEG reward of the last 10
     epochs beats the first 10's by > 0.5 kB (seen on this project's 2-core CPU, 2026-12-03: +1.24 kB for seed 2,
@@ -234,6 +235,7 @@ def test_reward_rises_on_tiny_flux(tmp_path):
     assert last - first > 0.5
 
 
+@SLOW
 def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path):
     args = TINY + ["--epochs", "8", "--save-every", "2", "--eval-every", "3", "--eval-num-prompts", "2",
                    "--updates-per-epoch", "2", "--clip-range", "1e-3"]
@@ -254,6 +256,7 @@ def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path):
     assert strip(read_metrics(killed)) == strip(read_metrics(tmp_path / "full"))
 
 
+@SLOW
 def test_two_processes(tmp_path):
     """(σ, ε) from the group key and per-sample rollout seeds: 2 processes train as one (DDP's gradient mean)."""
     one, two = tmp_path / "one", tmp_path / "two"

@@ -15,7 +15,7 @@ from common.models import load_adapter
 from common.sampling import sample_generators
 from common.shadow import ReferencePolicy, ShadowPolicy
 from common.training import add_lora, trainable_parameters
-from conftest import ode_sample, read_metrics, run_script
+from conftest import SLOW, ode_sample, read_metrics, run_script
 
 MODELS = ("wan2.2", "wan2.2-5b")
 GUIDANCE = {"wan2.2": (4.0, 3.0), "wan2.2-5b": 5.0}  # the references' CFG scales ((high, low) for the experts)
@@ -271,6 +271,7 @@ def test_nft_resume_equals_the_uninterrupted_run_and_its_lora_loads_into_the_pip
     assert (tuned - base).abs().max() > 1e-4
 
 
+@SLOW
 def test_two_processes_train_when_a_backward_uses_one_expert(tmp_path):
     """GRPO trains one step (one σ, one expert) per backward; under DDP every trained weight of the other expert must
     still get a gradient (its one-token forward), or DDP stops at the next step ("parameters that were not used in
