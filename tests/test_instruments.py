@@ -23,6 +23,16 @@ from conftest import SLOW, read_metrics, run_script, script_error
 FAST_MODELS = ("flux1", "wan2.2")  # the fast tier: one image model, and the two-expert video model
 
 
+@pytest.fixture(autouse=True)
+def restore_the_default_attention_backend():
+    """set_attention_backend makes its backend the process's default: the later tests of this worker get theirs."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    default = _AttentionBackendRegistry.get_active_backend()[0]
+    yield
+    _AttentionBackendRegistry.set_active_backend(default)
+
+
 def tiny_adapter(model, monkeypatch=None):
     if model == "qwen-image-edit":
         from common.models.qwen_image_edit import processor_needs_torchvision
@@ -143,8 +153,12 @@ def test_a_backend_reaches_every_transformer_and_keeps_the_velocity(model):
     ("sd3", "native", "do not go through diffusers' attention dispatcher")])
 def test_a_backend_that_cannot_run_is_refused_with_one_line(model, backend, says):
     adapter = tiny_adapter(model)
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    default = _AttentionBackendRegistry.get_active_backend()[0]
     with pytest.raises(UserError) as error:
         adapter.set_attention_backend(backend)
+    assert _AttentionBackendRegistry.get_active_backend()[0] == default  # a refused backend leaves no trace
     assert "\n" not in str(error.value) and backend in str(error.value) or model == "sd3"
     assert says in str(error.value), str(error.value)
 

@@ -70,7 +70,7 @@ class _Adapter:
         checking on a small attention call, in the model's dtype on its device (and its backward when training),
         that the backend runs here: a missing package, a kernel this device lacks or a forward-only kernel is
         refused with one line, not found at the first forward of the first epoch."""
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry, dispatch_attention_fn
 
         names = [name for name in self.model_components if name.startswith("transformer")]
         processors = [module.processor for name in names for module in getattr(self.pipe, name).modules()
@@ -80,6 +80,9 @@ class _Adapter:
             raise UserError(f"--attention-backend: {self.display_name}'s attention processors "
                             f"({', '.join(kinds)}) do not go through diffusers' attention dispatcher, so they take "
                             f"no backend; leave the flag unset")
+        # set_attention_backend also makes the backend the process-wide default (of every module whose processor
+        # names none): put the old default back if the backend turns out not to run
+        default = _AttentionBackendRegistry.get_active_backend()[0]
         try:
             for name in names:
                 getattr(self.pipe, name).set_attention_backend(backend)
@@ -91,6 +94,7 @@ class _Adapter:
         except (RuntimeError, ValueError, NotImplementedError, ImportError) as err:
             for name in names:
                 getattr(self.pipe, name).reset_attention_backend()
+            _AttentionBackendRegistry.set_active_backend(default)
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise UserError(f"--attention-backend {backend} cannot run {'training ' if backward else ''}on "
                             f"{self.device.type} in {str(self.dtype).removeprefix('torch.')}: {first}") from None
