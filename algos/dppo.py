@@ -97,9 +97,9 @@ def dppo_surrogate(log_prob, log_prob_old, mean, mean_old, std, advantages, thre
     D = mean_elements((μ_θ − μ_old)²)/(2S²) is the exact KL between the two Gaussian steps (equal std S, sde_step's
     full std) over the element count: sde_kl/(−dt) for flow-sde and dance-sde, sde_kl for cps. A step is masked when
     D ≥ τ and the ratio has moved in the advantage's direction (ρ > 1 with A > 0, or ρ < 1 with A < 0); elsewhere the
-    loss is −A·ρ, no clip. ρ is compared with 1 as the float32 exp(Δ), as the references do: for 0 < |Δ| < 2⁻²⁴ it
-    rounds to exactly 1 and the step is kept (the sign of Δ would mask it). The masked log-ratio is zeroed BEFORE
-    the exp: a where() after it would give 0·∞ = NaN gradients where a masked ratio overflowed."""
+    loss is −A·ρ, no clip. ρ is compared with 1 as the float32 exp(Δ), as the references do: for
+    0 < |Δ| < 2⁻²⁴ it rounds to exactly 1 and the step is kept (the sign of Δ would mask it). The masked log-ratio
+    is zeroed BEFORE the exp: a where() after it would give 0·∞ = NaN gradients where a masked ratio overflowed."""
     s = std.flatten() if torch.is_tensor(std) else torch.as_tensor(std, device=mean.device)
     log_ratio = log_prob - log_prob_old
     with torch.no_grad():  # the mask is a constant of the loss

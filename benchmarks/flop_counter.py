@@ -2,6 +2,7 @@
 # The counter is one Python hook per Linear, convolution and attention module; the relative cost is largest where
 # the layers are smallest, so this measures the toy world's FLUX.1 (LoRA r16, batch 8, 32 px), on the CPU:
 #   python benchmarks/flop_counter.py
+import statistics
 import time
 
 import torch
@@ -30,13 +31,20 @@ def seconds_per_call(adapter, x, cond, calls: int) -> tuple[float, float]:
 
 if __name__ == "__main__":
     torch.manual_seed(0)
+    torch.set_num_threads(1)  # one core: steadier times
     adapter = load_adapter("flux1", str(toy_model_path("flux1")), "cpu", torch.float32, 32, 32)
     add_lora(adapter.transformer, 16, 16, adapter.lora_target_modules)
     cond = adapter.encode_prompts(["two blue squares on the left"] * 8)
     x = adapter.noise(sample_generators(list(range(8)), "cpu"))
-    plain = seconds_per_call(adapter, x, cond, 40)
-    FlopCounter().attach(adapter.transformer)
-    counted = seconds_per_call(adapter, x, cond, 40)
-    print(f"toy FLUX.1, batch 8: forward {plain[0] * 1e3:.2f} ms without the counter, {counted[0] * 1e3:.2f} ms with "
-          f"({counted[0] / plain[0]:.3f}x); forward + backward {plain[1] * 1e3:.2f} / {counted[1] * 1e3:.2f} ms "
-          f"({counted[1] / plain[1]:.3f}x)")
+    times = {False: [], True: []}
+    counter = FlopCounter()
+    for _ in range(5):  # alternate, so that a slower stretch of the machine falls on both
+        for counted in (False, True):
+            if counted:
+                counter.attach(adapter.transformer)
+            times[counted].append(seconds_per_call(adapter, x, cond, 40))
+            counter.detach()
+    plain, counted = ([statistics.median(t[i] for t in times[c]) for i in (0, 1)] for c in (False, True))
+    print(f"toy FLUX.1, batch 8, medians of 5 alternating rounds: forward {plain[0] * 1e3:.2f} ms without the counter, "
+          f"{counted[0] * 1e3:.2f} ms with ({counted[0] / plain[0]:.3f}x); forward + backward {plain[1] * 1e3:.2f} / "
+          f"{counted[1] * 1e3:.2f} ms ({counted[1] / plain[1]:.3f}x)")

@@ -111,7 +111,8 @@ def train(script: str, model: Path, out: Path, args: Args, *flags) -> dict:
                "--resolution", str(args.resolution), "--max-sequence-length", str(args.max_sequence_length),
                "--epochs", str(args.epochs), "--prompts-per-epoch", str(args.prompts_per_epoch),
                "--group-size", str(args.group_size), "--batch-size", str(args.batch_size), "--eval-every", "0",
-               "--save-every", "0", "--output-dir", str(out), "--cache-dir", str(out.parent / "cache"), *args.extra_args.split(),
+               "--save-every", "0", "--output-dir", str(out), "--cache-dir", str(out.parent / "cache"),
+               *args.extra_args.split(),
                *(["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops else []), *map(str, flags)]
     start = time.time()
     try:
@@ -155,7 +156,8 @@ if __name__ == "__main__":
     print(f"\n{device}; FLUX.1 at {args.size} widths with {args.double_layers} + {args.single_layers} blocks "
           f"(FLUX.1-dev: 19 + 38), {args.resolution} px, {args.prompts_per_epoch} prompts × {args.group_size}, "
           f"micro-batch {args.batch_size}, {args.max_sequence_length} text tokens; the last of {args.epochs} epochs\n")
-    print("| run | rollout s | train s | optimizer steps | train s / step | TFLOP/s | MFU | peak GB | bf16 ratio drift |")
+    print("| run | rollout s | train s | optimizer steps | train s / step | TFLOP/s | MFU | peak GB "
+          "| bf16 ratio drift |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, row in rows.items():
         if "error" in row:

@@ -55,6 +55,7 @@ class FlopCounter:
     def __init__(self):
         self.total = 0
         self.counting = True
+        self._handles = []
 
     def attach(self, *modules: torch.nn.Module | None) -> None:
         """Hook every Linear, convolution and attention module inside `modules` (None skipped; a module already
@@ -67,14 +68,23 @@ class FlopCounter:
                 if getattr(module, _HOOKED, False):
                     continue
                 if isinstance(module, torch.nn.Linear):
-                    module.register_forward_hook(self._linear_hook())
+                    handle = module.register_forward_hook(self._linear_hook())
                 elif isinstance(module, torch.nn.modules.conv._ConvNd):
-                    module.register_forward_hook(self._conv_hook())
+                    handle = module.register_forward_hook(self._conv_hook())
                 elif isinstance(module, attention):
-                    module.register_forward_hook(self._attention_hook(), with_kwargs=True)
+                    handle = module.register_forward_hook(self._attention_hook(), with_kwargs=True)
                 else:
                     continue
+                self._handles.append((module, handle))
                 setattr(module, _HOOKED, True)
+
+    def detach(self) -> None:
+        """Remove the hooks this counter attached (those modules run as if it never had; a deepcopy made of an
+        attached module keeps its copies of the hooks, counting here, until it is dropped)."""
+        for module, handle in self._handles:
+            handle.remove()
+            delattr(module, _HOOKED)
+        self._handles = []
 
     def take(self) -> int:
         """The FLOPs counted since the last take."""

@@ -17,7 +17,8 @@ from conftest import SLOW, read_metrics, run_script, slow_except
 
 TINY = ["--preset", "tiny", "--eval-every", "0"]
 BASE = TINY + ["--epochs", "4", "--save-every", "2"]  # checkpoints epoch_000001 and epoch_000003
-TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflops", "mfu", "peak_memory_gb"}  # measured
+TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflops", "mfu",
+             "peak_memory_gb"}  # measured
 SKIPPED = "skipped checkpoints that do not load completely: epoch_000003 ({})"
 
 

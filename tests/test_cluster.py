@@ -20,7 +20,8 @@ from conftest import ACCELERATE_2CPU, REPO, SLOW, free_port, read_metrics, run_s
 
 # tiny's --save-every is 50: of these 5 epochs only the last is a checkpoint epoch.
 ARGS = ["--preset", "tiny", "--eval-every", "0", "--epochs", "5"]
-TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflops", "mfu", "peak_memory_gb"}  # measured
+TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflops", "mfu",
+             "peak_memory_gb"}  # measured
 LAST = "epoch_000004"
 STOPPED = r"stopped by (SIG\w+) after epoch (\d+); checkpoint written; rerun with --resume"
 

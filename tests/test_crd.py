@@ -15,7 +15,8 @@ TINY = ["--preset", "tiny"]
 # T = 7 above the 5 eligible steps: steps repeat, as the paper's T = 20 at 10 rollout steps.
 FAST = TINY + ["--epochs", "2", "--eval-every", "1", "--eval-num-prompts", "2", "--save-every", "1",
                "--kl-beta", "0.1", "--sampler-decay", "0", "0.3", "0.1", "0.6", "--train-timesteps", "7"]
-TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflops", "mfu", "peak_memory_gb"}  # measured
+TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflops", "mfu",
+             "peak_memory_gb"}  # measured
 
 
 def _script():

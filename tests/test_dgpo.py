@@ -18,7 +18,8 @@ TINY = ["--preset", "tiny"]
 FAST = TINY + ["--epochs", "2", "--eval-every", "1", "--eval-num-prompts", "4", "--batch-size", "4",
                "--use-ema-ref", "--beta-dpo", "2000", "--kl-beta", "1e-3", "--switch-ema-ref", "1",
                "--ema-ref-decay-rate", "0.3", "--clip-range", "1e-4"]
-TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflops", "mfu", "peak_memory_gb"}  # measured
+TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflops", "mfu",
+             "peak_memory_gb"}  # measured
 
 
 def _script():

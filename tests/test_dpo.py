@@ -13,7 +13,8 @@ import torch
 
 from conftest import ACCELERATE_2CPU, REPO, SLOW, read_metrics, run_script
 
-TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflops", "mfu", "peak_memory_gb"}  # measured
+TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflops", "mfu",
+             "peak_memory_gb"}  # measured
 LOG2 = float(np.float32(np.log(2.0)))  # −log sigmoid(0) in float32
 
 

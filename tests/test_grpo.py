@@ -14,7 +14,8 @@ from conftest import ACCELERATE_2CPU, REPO, SLOW, read_metrics, run_script, scri
 
 TINY = ["--preset", "tiny"]
 FAST = TINY + ["--epochs", "2", "--eval-every", "1", "--eval-num-prompts", "2"]
-TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflops", "mfu", "peak_memory_gb"}  # measured
+TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflops", "mfu",
+             "peak_memory_gb"}  # measured
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,8 @@ def tiny_adapter(model, monkeypatch=None):
         from transformers import Qwen2VLProcessor
 
         if processor_needs_torchvision():  # as tests/test_qwen_image_edit.py: its processor without the video part
-            monkeypatch.setattr(Qwen2VLProcessor, "get_attributes", classmethod(lambda cls: ["image_processor", "tokenizer"]))
+            monkeypatch.setattr(Qwen2VLProcessor, "get_attributes",
+                                classmethod(lambda cls: ["image_processor", "tokenizer"]))
     video = ADAPTERS[model].video
     return load_adapter(model, tiny_model_path(model), "cpu", torch.float32, 32 if video else 64,
                         512 if model == "wan-i2v" else 32, condition_size=32 if model == "flux1-kontext" else None)
@@ -102,6 +103,10 @@ def test_full_backward_checkpointing_copies_and_pauses():
     assert counter.take() == expected
     with counter.paused(), torch.no_grad():
         adapter.velocity(x, 0.6, cond, guidance)
+    assert counter.take() == 0
+    counter.detach()  # the hooks of the modules it attached to are gone (a deepcopy keeps its copies of them)
+    assert not any(hasattr(m, "_flop_counter_hooked") for m in transformer.modules())
+    step()
     assert counter.take() == 0
 
 
