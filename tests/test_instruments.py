@@ -173,3 +173,14 @@ def test_the_scripts_refuse_an_unknown_or_unusable_backend():
     assert "flsh" in unknown and "native" in unknown and "sage" in unknown
     unusable = script_error("algos/grpo.py", "--preset", "tiny", "--attention-backend", "flash")
     assert unusable.startswith("error: --attention-backend flash cannot run training on cpu"), unusable
+
+
+def test_a_run_on_the_native_backend_equals_one_without_the_flag(tmp_path):
+    """Checking the backend draws nothing from the RNG, and `native` is the default kernel: the same run."""
+    runs = []
+    for name, flags in (("default", []), ("native", ["--attention-backend", "native"])):
+        run_script("algos/grpo.py", "--preset", "tiny", "--epochs", "1", "--eval-every", "0", *flags,
+                   "--output-dir", tmp_path / name)
+        runs.append([{k: v for k, v in m.items() if not k.endswith(("_time_s", "tflops", "mfu", "peak_memory_gb"))}
+                     for m in read_metrics(tmp_path / name)])
+    assert runs[0] == runs[1]
