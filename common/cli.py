@@ -264,7 +264,7 @@ _AT_LEAST = [("epochs", 1, ""), ("prompts_per_epoch", 1, ""), ("group_size", 2, 
              ("lr_warmup_steps", 0, ""), ("lora_rank", 1, ""), ("max_sequence_length", 1, ""), ("resolution", 1, ""),
              ("eval_every", 0, ""), ("eval_num_prompts", 1, ""), ("eval_seeds", 1, ""), ("save_every", 0, ""),
              ("keep_checkpoints", 1, ""), ("weight_decay", 0, ""), ("reward_workers", 0, "")]
-_POSITIVE = ["lora_alpha", "max_grad_norm", "adv_clip_max"]  # and peak_tflops when given
+_POSITIVE = ["lora_alpha", "max_grad_norm", "adv_clip_max"]
 
 
 def check_args(args) -> None:
