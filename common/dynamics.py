@@ -101,3 +101,33 @@ def sde_kl(dynamics: str, mean: torch.Tensor, mean_ref: torch.Tensor, std, sigma
     if dynamics != "cps":
         s = s / torch.sqrt(_per_sample(sigma, mean) - _per_sample(sigma_next, mean))
     return _mean_over_elements((mean - mean_ref) ** 2) / (2 * s.flatten() ** 2)
+
+
+def velocity_coefficient(dynamics: str, sigma: float, sigma_next: float, noise_level: float) -> tuple[float, float]:
+    """(∂μ/∂v, S) of one step, in float64: the step mean is affine in the model output v (elementwise, the same
+    factor for every element), and S is sde_step's full std. ∂μ/∂v = dt·(1 + s²(1 − σ)/(2σ)) for flow-sde (s as
+    in sde_step, σ̃ = σ' at σ = 1) and dance-sde (s = η); −(1 − σ')·σ + √(σ'² − S²)·(1 − σ) for cps; dt for ode."""
+    if dynamics not in DYNAMICS:
+        raise ValueError(f"unknown dynamics {dynamics!r}; choose one of {', '.join(DYNAMICS)}")
+    dt = sigma_next - sigma
+    if dynamics == "ode":
+        return dt, 0.0
+    if dynamics == "cps":
+        std = sigma_next * math.sin(noise_level * math.pi / 2)
+        return -(1 - sigma_next) * sigma + math.sqrt(max(sigma_next**2 - std**2, 0.0)) * (1 - sigma), std
+    if dynamics == "flow-sde":
+        s = noise_level * math.sqrt(sigma / (1.0 - (sigma_next if sigma >= 1.0 else sigma)))
+    else:
+        s = noise_level
+    return dt * (1 + s**2 * (1 - sigma) / (2 * sigma)), s * math.sqrt(-dt)
+
+
+def log_prob_velocity_scale(dynamics: str, sigma: float, sigma_next: float, noise_level: float) -> float:
+    """k ≥ 0 such that, at a step's own sample x' = μ + S·z, ∂ log_prob / ∂v = −k·z / (elements) (algorithms.md §2,
+    "Small steps"): how strongly the step's log-prob, and so its policy gradient, answers the model output. Gaussian
+    steps (flow-sde, dance-sde): k = |∂μ/∂v| / S, which is ∝ √(−dt); cps's unnormalised log-prob: k = 2·S·|∂μ/∂v|.
+    0 where the step has no density (ode, or S = 0)."""
+    dmean_dv, std = velocity_coefficient(dynamics, sigma, sigma_next, noise_level)
+    if std == 0.0:
+        return 0.0
+    return 2 * std * abs(dmean_dv) if dynamics == "cps" else abs(dmean_dv) / std
