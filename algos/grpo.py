@@ -16,7 +16,7 @@ from common.advantages import compute_advantages, trained_samples
 from common.cli import TrainArgs, parse_args
 from common.data import epoch_samples
 from common.distributed import micro_step
-from common.dynamics import sde_kl, sde_step
+from common.dynamics import log_prob_velocity_scale, sde_kl, sde_step
 from common.sampling import sample_generators
 from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
                           setup, start_scoring)
@@ -39,6 +39,11 @@ class Args(TrainArgs):
     """stochastic step of the rollout and of its log-probs (ode has no log-prob)"""
     noise_level: float = 0.9
     """η of the SDE (flow-sde 0.9 FLUX / 0.7 SD3.5, dance-sde ~0.3, cps in [0, 1])"""
+    step_weighting: Literal["none", "equalize"] = "none"
+    """per-step weight of the policy loss (docs/algorithms.md §4, "Per-step weighting"). equalize: step j's policy
+    loss is multiplied by k_max / k_j, k_j the scale of its log-prob's gradient w.r.t. the model output
+    (`log_prob_velocity_scale`; ∝ √(−dt) for flow-sde and dance-sde), k_max the largest over every step but the last.
+    With a large time shift (video) σ stays near 1 and k_j is small on most steps"""
     sde_window_size: int = 0
     """Flow-GRPO-Fast: > 0 makes only a random window of this many consecutive steps stochastic and trained"""
     sde_window_range: tuple[int, int] | None = None
@@ -151,6 +156,10 @@ if __name__ == "__main__":
     clip_range = args.clip_range if args.clip_range is not None else (1e-5 if window else 1e-4)
     run = setup(args, load_run_rewards(args), reference_copy=args.kl_beta > 0)
     adapter, sigmas, guidance, device = run.adapter, run.sigmas, run.guidance, run.device
+    # --step-weighting equalize: w_j = k_max / k_j, k_j the step's gradient scale (§4 "Per-step weighting"); none: 1
+    scales = [log_prob_velocity_scale(args.dynamics, float(sigmas[j]), float(sigmas[j + 1]), args.noise_level)
+              for j in range(args.num_steps)]
+    step_weights = [max(scales[:-1]) / k if args.step_weighting == "equalize" and k > 0 else 1.0 for k in scales]
     store = "cpu" if args.offload_trajectories else device
     rollout_batches = rollout_micro_batches(run.local.stop - run.local.start, args.batch_size, args.updates_per_epoch)
 
@@ -220,7 +229,8 @@ if __name__ == "__main__":
                                                           args.noise_level, prev_sample=x_next)
                         # Flow-GRPO eq. 6: ratio of the new to the rollout policy's step density, clipped as in PPO.
                         ratio = torch.exp(log_prob - log_prob_old)
-                        policy_loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_range, 1 + clip_range))
+                        clipped = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_range, 1 + clip_range))
+                        policy_loss = step_weights[j] * clipped  # 1 unless --step-weighting equalize
                         kl = torch.zeros_like(policy_loss)
                         if args.kl_beta > 0:  # KL to the reference step, in Flow-GRPO's form (sde_kl)
                             v_ref = run.reference.velocity(x, sigmas[j], c, guidance)

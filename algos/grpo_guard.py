@@ -14,7 +14,7 @@ from common.advantages import compute_advantages, trained_samples
 from common.cli import TrainArgs, parse_args
 from common.data import epoch_samples
 from common.distributed import micro_step
-from common.dynamics import sde_kl, sde_step
+from common.dynamics import sde_kl, sde_step, velocity_coefficient
 from common.sampling import sample_generators
 from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
                           setup, start_scoring)
@@ -37,6 +37,11 @@ class Args(TrainArgs):
     """stochastic step of the rollout: the regulated ratio is defined for the Gaussian flow-SDE step"""
     noise_level: float = 0.9
     """η of the flow-SDE (0.9 FLUX, 0.7 SD3.5)"""
+    step_weighting: Literal["none", "equalize"] = "none"
+    """per-step weight of the policy loss (docs/algorithms.md §4, "Per-step weighting"). equalize: step j's policy
+    loss is multiplied by k_max / k_j, k_j = |∂μ/∂v| the scale of the regulated log-ratio's gradient w.r.t. the model
+    output (∝ −dt: the regulation's S cancels the log-prob's 1/S), k_max the largest over every step but the last.
+    With a large time shift (video) σ stays near 1 and k_j is small on most steps"""
     clip_range: float = 1e-4
     """PPO clip ε > 0 on the regulated ratio; tiny because log-probs are means over elements. 0 is refused: the
     ratio clamped to [1, 1] stops training after each epoch's first optimizer step"""
@@ -92,6 +97,10 @@ if __name__ == "__main__":
     clip_range = args.clip_range
     run = setup(args, load_run_rewards(args), reference_copy=args.kl_beta > 0)
     adapter, sigmas, guidance, device = run.adapter, run.sigmas, run.guidance, run.device
+    # --step-weighting equalize: w_j = k_max / k_j, k_j the step's gradient scale (§4 "Per-step weighting"); none: 1
+    scales = [abs(velocity_coefficient(args.dynamics, float(sigmas[j]), float(sigmas[j + 1]), args.noise_level)[0])
+              for j in range(args.num_steps)]
+    step_weights = [max(scales[:-1]) / k if args.step_weighting == "equalize" and k > 0 else 1.0 for k in scales]
     store = "cpu" if args.offload_trajectories else device
     rollout_batches = rollout_micro_batches(run.local.stop - run.local.start, args.batch_size, args.updates_per_epoch)
 
@@ -159,7 +168,8 @@ if __name__ == "__main__":
                         # GRPO-Guard's regulated ratio exp(S·(logp − logp_old) + ‖μ_θ − μ_old‖²/(2S)), in its equal,
                         # cancellation-free form exp(mean(z ⊙ (μ_θ − μ_old))), z the rollout noise.
                         ratio = torch.exp(regulated_log_ratio(x_next, mean, mean_old, std))
-                        policy_loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_range, 1 + clip_range))
+                        clipped = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_range, 1 + clip_range))
+                        policy_loss = step_weights[j] * clipped  # 1 unless --step-weighting equalize
                         kl = torch.zeros_like(policy_loss)
                         if args.kl_beta > 0:  # KL to the reference step, in Flow-GRPO's form (sde_kl)
                             v_ref = run.reference.velocity(x, sigmas[j], c, guidance)
