@@ -27,6 +27,17 @@ class Reward:
     score: Callable
     groupwise: bool = False
     wants_conditions: bool = False  # called with the samples' condition images (edit, image-to-video rewards)
+    video: bool = False  # called with whole clips (B, F, 3, H, W) instead of frame by frame
+
+
+def check_video_rewards(rewards: list[Reward], model: str, makes_video: bool) -> None:
+    """A reward that judges whole clips cannot score a model that makes images: one line, before anything runs."""
+    from common.cli import VIDEO_MODELS
+
+    for reward in rewards:
+        if reward.video and not makes_video:
+            raise UserError(f"reward {reward.name!r} judges videos, but --model {model} makes images; use a video "
+                            f"model ({', '.join(VIDEO_MODELS)}) or an image reward")
 
 
 def condition_tensors(paths_per_sample) -> list[list[torch.Tensor]]:
@@ -41,9 +52,13 @@ def condition_tensors(paths_per_sample) -> list[list[torch.Tensor]]:
 def call_reward(reward: Reward, images: torch.Tensor, prompts: list[str], conditions=None) -> torch.Tensor:
     """Scores of one call as float64 (B,), off the graph; any failure becomes a one-line UserError naming
     the reward (with where it was raised, since the traceback is not printed). Video (B, F, 3, H, W): every
-    frame index is scored as one batch of images and the scores are averaged over frames. `conditions`: each
-    sample's condition images (`condition_tensors`), passed to a reward that wants them."""
-    if images.ndim == 5:
+    frame index is scored as one batch of images and the scores are averaged over frames, unless the reward is a
+    video reward (`video = True`), which gets the clips whole. `conditions`: each sample's condition images
+    (`condition_tensors`), passed to a reward that wants them."""
+    if reward.video and images.ndim != 5:
+        raise UserError(f"reward {reward.name!r} judges videos (B, F, 3, H, W), but got images of shape "
+                        f"{tuple(images.shape)}")
+    if images.ndim == 5 and not reward.video:
         return torch.stack([call_reward(reward, images[:, f], prompts, conditions)
                             for f in range(images.shape[1])]).mean(0)
     count = len(prompts)

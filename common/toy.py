@@ -181,14 +181,15 @@ def render_batch(prompts: list[str], rng: np.random.Generator, resolution: int =
 
 
 def toy_model_path(model: str = "flux1") -> Path:
-    """The shipped pretrained toy pipelines (`--model-path toy`): FLUX.1 (the toy world, data/toy/model/) and
-    FLUX.1 Kontext (the toy edit world, data/toy_edit/model/)."""
-    paths = {"flux1": TOY_DIR / "model", "flux1-kontext": REPO / "data" / "toy_edit" / "model"}
+    """The shipped pretrained toy pipelines (`--model-path toy`): FLUX.1 (the toy world, data/toy/model/),
+    FLUX.1 Kontext (the toy edit world, data/toy_edit/model/) and Wan (the toy video world, data/toy_video/model/)."""
+    paths = {"flux1": TOY_DIR / "model", "flux1-kontext": REPO / "data" / "toy_edit" / "model",
+             "wan": REPO / "data" / "toy_video" / "model"}
     if model not in paths:
         from common.utils import UserError
 
-        raise UserError(f"--model-path toy is a FLUX.1 pipeline (--model flux1) or a FLUX.1 Kontext one "
-                        f"(--model flux1-kontext), not {model}")
+        raise UserError(f"--model-path toy is a FLUX.1 pipeline (--model flux1), a FLUX.1 Kontext one "
+                        f"(--model flux1-kontext) or a Wan one (--model wan), not {model}")
     return paths[model]
 
 
@@ -234,15 +235,15 @@ def toy_clip_tokenizer():
                          model_max_length=MAX_SEQUENCE_LENGTH)
 
 
-def toy_t5_tokenizer():
-    """A unigram T5 tokenizer (ids 0/1/2 = pad/eos/unk) in which each toy word is one piece: whole words score
-    higher than their spelling in characters, which remain as a fallback for other text."""
+def toy_t5_tokenizer(words=None):
+    """A unigram T5 tokenizer (ids 0/1/2 = pad/eos/unk) in which each toy word (or each of `words`) is one piece:
+    whole words score higher than their spelling in characters, which remain as a fallback for other text."""
     from transformers import T5Tokenizer
 
     from common.tiny import _characters
 
     vocab = {"<pad>": 0.0, "</s>": 0.0, "<unk>": 0.0, "▁": -2.0}
-    vocab.update({"▁" + word: -1.0 for word in sorted(toy_words())})
+    vocab.update({"▁" + word: -1.0 for word in sorted(toy_words() if words is None else words)})
     for c in _characters():
         vocab.setdefault("▁" + c, -2.5)
         vocab.setdefault(c, -3.0)

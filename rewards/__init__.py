@@ -17,6 +17,9 @@ The interface a reward follows (the built-in ones and the user's alike):
 A reward that judges an edit or an image-to-video sample against its input sets `wants_conditions = True` and is
 called as `__call__(images, prompts, conditions)`: conditions[i] is the list of sample i's condition images, each a
 (3, h, w) float tensor in [0, 1] at its file's own size. Every other reward is called as before.
+A video model's samples are (B, F, 3, H, W); a reward sees them frame by frame (its scores averaged over the
+frames) unless it sets `video = True`, and is then called with the whole clips (given an image model it stops
+the run with one line before anything is loaded).
 `__init__` gets `device`/`dtype` only when it names them. A plain function `(images, prompts) -> scores` works
 too (pointwise, no options). Rewards are called under torch.no_grad on detached images; one that raises or
 returns NaN/inf or the wrong number of scores stops the run with an error naming it.
@@ -41,6 +44,7 @@ from rewards.ocr import OcrReward
 from rewards.remote import RemoteReward
 from rewards.toy import ToyReward
 from rewards.toy_edit import ToyEditReward
+from rewards.toy_video import ToyVideoReward
 
 
 # name -> (factory(device, dtype, **options) -> score callable, groupwise). A score object's own `groupwise`
@@ -56,6 +60,7 @@ REWARDS = {
     "remote": (RemoteReward, False),
     "toy": (ToyReward, False),
     "toy_edit": (ToyEditReward, False),
+    "toy_video": (ToyVideoReward, False),
 }
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -153,7 +158,8 @@ def load_rewards(specs: list[str], device=None, dtype=torch.float32) -> list[Rew
             default_name = source
         name = name or getattr(scorer, "name", None) or default_name
         groupwise = bool(getattr(scorer, "groupwise", groupwise))
-        rewards.append(Reward(name, weight, scorer, groupwise, bool(getattr(scorer, "wants_conditions", False))))
+        rewards.append(Reward(name, weight, scorer, groupwise, bool(getattr(scorer, "wants_conditions", False)),
+                              bool(getattr(scorer, "video", False))))
     names = [r.name for r in rewards]
     if len(set(names)) != len(names):
         raise UserError(f"two rewards are named {max(names, key=names.count)!r} in {specs}: "

@@ -1,0 +1,253 @@
+"""Regenerate the toy video world's pretrained Wan pipeline, data/toy_video/model/, from scratch on one CPU thread.
+
+    python data/toy_video/pretrain.py                      # the shipped recipe (about 45 CPU-minutes)
+    python data/toy_video/pretrain.py --out /tmp/toy-video --steps 500
+
+1. Build the pipeline (common/toy_video.py `build_toy_video_pipeline`) with a fixed seed: a random frozen UMT5.
+2. Train the Wan VAE on 5-frame renders of the training prompts: the whole VAE, then the decoder alone with the
+   encoder frozen (the latent space the transformer learns is then fixed). Set `latents_mean`/`latents_std` per
+   channel from the encoder's latents, so that the transformer sees unit variance (WanPipeline's convention).
+3. Save, load through the project's own `WanAdapter` and pretrain the transformer by rectified flow through
+   `adapter.velocity` (the forward the RL scripts use): x_σ = (1 − σ)·x0 + σ·ε, target v = ε − x0, logit-normal
+   σ, AdamW with warm-up, an EMA of the weights, which is what is saved.
+4. Score the EMA model on the held-out prompts (Euler ODE on the scheduler's σ) and write the pipeline atomically:
+   a temporary folder next to the destination, renamed into place.
+
+Deterministic for a given seed on one thread (renders, noise and σ all come from seeded generators).
+"""
+
+import argparse
+import copy
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from common.models import load_adapter  # noqa: E402
+from common.sampling import sample, sample_generators  # noqa: E402
+from common.toy import toy_model_path  # noqa: E402
+from common.toy_video import (MAX_SEQUENCE_LENGTH, NUM_FRAMES, RESOLUTION, build_toy_video_pipeline,  # noqa: E402
+                              load_video_split, render_clips)
+from common.utils import quiet_libraries  # noqa: E402
+from rewards.toy_video import ToyVideoReward  # noqa: E402
+
+EVAL_STEPS = 8  # Euler ODE steps of the held-out evaluation (the adapter's `sigmas(8)`)
+EVAL_SEEDS = 16  # samples per held-out prompt
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def format_checks(checks: dict[str, np.ndarray]) -> str:
+    return " ".join(f"{name} {values.mean():.3f}" for name, values in checks.items())
+
+
+def clips_for_vae(prompts: list[str], rng: np.random.Generator) -> torch.Tensor:
+    """Renders in the VAE's layout (B, 3, F, H, W) in [-1, 1]."""
+    return (render_clips(prompts, rng) * 2 - 1).permute(0, 2, 1, 3, 4)
+
+
+# ----- VAE ---------------------------------------------------------------------------------------------------
+def train_vae(vae, prompts: list[str], rng: np.random.Generator, full_steps: int, decoder_steps: int,
+              batch: int, lr: float) -> None:
+    """Reconstruction (MSE + L1 on [-1, 1] clips) plus a light KL, on fresh renders every step; the decoder phase
+    sees posterior samples of the frozen encoder, the latents the transformer will learn to generate."""
+    vae.train().requires_grad_(True)
+    for phase, steps in (("vae", full_steps), ("decoder", decoder_steps)):
+        if phase == "decoder":
+            vae.encoder.requires_grad_(False)
+            vae.quant_conv.requires_grad_(False)
+        params = [p for p in vae.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50))
+        generator = torch.Generator().manual_seed(int(rng.integers(2**31)))
+        for step in range(steps):
+            clips = clips_for_vae(list(rng.choice(prompts, batch)), rng)
+            posterior = vae.encode(clips).latent_dist
+            latents = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
+            recon = vae.decode(latents).sample
+            loss = F.mse_loss(recon, clips) + 0.1 * F.l1_loss(recon, clips)
+            if phase == "vae":
+                loss = loss + 1e-5 * posterior.kl().mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            if step % 50 == 0 or step == steps - 1:
+                log(f"{phase} step {step}/{steps} loss {loss.item():.4f}")
+    vae.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def vae_report(vae, prompts: list[str], rng: np.random.Generator, reward) -> dict[str, np.ndarray]:
+    """The reward's checks on reconstructions (posterior means) of fresh renders: the ceiling of the pipeline."""
+    recon = torch.cat([vae.decode(vae.encode(clips_for_vae(prompts[i:i + 32], rng)).latent_dist.mean).sample
+                       for i in range(0, len(prompts), 32)])
+    return reward.checks((recon.permute(0, 2, 1, 3, 4) / 2 + 0.5).clamp(0, 1), prompts)
+
+
+@torch.no_grad()
+def set_latent_scaling(vae, prompts: list[str], rng: np.random.Generator) -> None:
+    """latents_mean / latents_std per channel from latents of renders, as Wan's VAE config holds them: the
+    transformer works on (z − mean) / std."""
+    latents = torch.cat([vae.encode(clips_for_vae(prompts[i:i + 32], rng)).latent_dist.mean
+                         for i in range(0, len(prompts), 32)])
+    mean, std = latents.mean((0, 2, 3, 4)), latents.std((0, 2, 3, 4))
+    vae.register_to_config(latents_mean=[round(v, 4) for v in mean.tolist()],
+                           latents_std=[round(v, 4) for v in std.tolist()])
+    log(f"latents_mean {vae.config.latents_mean} latents_std {vae.config.latents_std}")
+
+
+# ----- transformer -------------------------------------------------------------------------------------------
+@torch.no_grad()
+def render_pool(adapter, prompts: list[str], per_prompt: int, rng: np.random.Generator):
+    """Normalised latents of `per_prompt` renders of each prompt, encoded once (posterior means, as the toy
+    world's recipe explains: samples would spend the transformer on noise the decoder ignores)."""
+    config = adapter.vae.config
+    mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(config.latents_std).view(1, -1, 1, 1, 1)
+    latents, index = [], []
+    for start in range(0, per_prompt, 16):
+        for i, prompt in enumerate(prompts):
+            n = min(16, per_prompt - start)
+            raw = adapter.vae.encode(clips_for_vae([prompt] * n, rng)).latent_dist.mean
+            latents.append((raw - mean) / std)
+            index += [i] * n
+    return torch.cat(latents), torch.tensor(index)
+
+
+def pretrain_transformer(adapter, prompts: list[str], test_prompts: list[str], rng: np.random.Generator,
+                         steps: int, batch: int, lr: float, warmup: int, ema_decay: float, pool: int,
+                         eval_every: int, snapshots: Path | None = None):
+    """Rectified flow through `adapter.velocity`; returns the EMA copy of the transformer."""
+    generator = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    log(f"rendering and encoding {pool} clips per training prompt")
+    pool_latents, index = render_pool(adapter, prompts, pool, rng)
+    with adapter.text_encoders_on_device():
+        cond = adapter.encode_prompts(prompts)
+    model = adapter.transformer.train().requires_grad_(True)
+    ema = copy.deepcopy(model).eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    started = time.process_time()
+    for step in range(steps):
+        pick = torch.from_numpy(rng.integers(len(pool_latents), size=batch))
+        x0 = pool_latents[pick]
+        noise = torch.randn(x0.shape, generator=generator)
+        sigma = torch.sigmoid(torch.randn(batch, generator=generator))  # logit-normal(0, 1)
+        s = sigma.view(-1, 1, 1, 1, 1)
+        x_sigma = (1 - s) * x0 + s * noise
+        batch_cond = {key: value[index[pick]] for key, value in cond.items()}
+        v = adapter.velocity(x_sigma, sigma, batch_cond, guidance_scale=1.0, transformer=model)
+        loss = F.mse_loss(v, noise - x0)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        with torch.no_grad():
+            for e, p in zip(ema.parameters(), model.parameters()):
+                e.lerp_(p, 1 - ema_decay)
+        if step % 100 == 0 or step == steps - 1:
+            log(f"step {step}/{steps} loss {loss.item():.4f} cpu {(time.process_time() - started) / 60:.1f} min")
+        if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
+            checks = evaluate(adapter, ema, test_prompts, seeds=range(4))
+            log(f"step {step + 1} held-out (EMA, 4 seeds, {EVAL_STEPS} Euler steps): {format_checks(checks)}")
+            if snapshots is not None:  # to pick a weaker base by its held-out score, if the final one is too strong
+                snapshots.mkdir(parents=True, exist_ok=True)
+                save_file(ema.state_dict(), snapshots / f"transformer-{step + 1}.safetensors")
+    model.eval().requires_grad_(False)
+    return ema
+
+
+@torch.no_grad()
+def generate(adapter, transformer, prompts: list[str], seeds, num_steps: int = EVAL_STEPS) -> torch.Tensor:
+    """Euler-ODE clips (B, F, 3, H, W) in [0, 1] of `prompts` with one seed each (common.sampling)."""
+    with adapter.text_encoders_on_device():
+        cond = adapter.encode_prompts(prompts)
+    noise = adapter.noise(sample_generators(seeds, adapter.device))
+    x0 = sample(lambda x, s: adapter.velocity(x, s, cond, guidance_scale=1.0, transformer=transformer), noise,
+                adapter.sigmas(num_steps))
+    return adapter.decode(x0)
+
+
+def evaluate(adapter, transformer, prompts: list[str], seeds, num_steps: int = EVAL_STEPS, chunk: int = 64):
+    """The reward's checks on every (prompt, seed) pair, prompt-major."""
+    pairs = [(p, s) for p in prompts for s in seeds]
+    clips = torch.cat([generate(adapter, transformer, [p for p, _ in pairs[i:i + chunk]],
+                                [s for _, s in pairs[i:i + chunk]], num_steps) for i in range(0, len(pairs), chunk)])
+    return ToyVideoReward().checks(clips, [p for p, _ in pairs])
+
+
+# ----- the recipe --------------------------------------------------------------------------------------------
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=toy_model_path("wan"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vae-steps", type=int, default=600, help="steps training the whole VAE")
+    parser.add_argument("--decoder-steps", type=int, default=400, help="then steps training the decoder alone")
+    parser.add_argument("--vae-batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4000, help="transformer pretraining steps")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--ema", type=float, default=0.995)
+    parser.add_argument("--pool", type=int, default=64, help="renders per training prompt for the transformer")
+    parser.add_argument("--eval-every", type=int, default=500)
+    parser.add_argument("--snapshots", type=Path, default=None, help="save the EMA transformer at every evaluation")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    quiet_libraries()
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    train, test = load_video_split()
+    reward = ToyVideoReward()
+    start = time.process_time()
+
+    pipe = build_toy_video_pipeline(args.seed)
+    log(f"VAE: {args.vae_steps} steps, then {args.decoder_steps} decoder steps")
+    train_vae(pipe.vae, train, rng, args.vae_steps, args.decoder_steps, args.vae_batch, args.lr)
+    log(f"VAE reconstructions, held-out prompts x 8: {format_checks(vae_report(pipe.vae, test * 8, rng, reward))}")
+    set_latent_scaling(pipe.vae, train * 4, rng)
+    log(f"VAE done, cpu {(time.process_time() - start) / 60:.1f} min")
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{args.out.name}-", dir=args.out.parent))
+    try:
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        adapter = load_adapter("wan", str(tmp), "cpu", torch.float32, resolution=RESOLUTION,
+                               max_sequence_length=MAX_SEQUENCE_LENGTH, num_frames=NUM_FRAMES)
+        ema = pretrain_transformer(adapter, train, test, rng, args.steps, args.batch, args.lr, args.warmup,
+                                   args.ema, args.pool, args.eval_every, args.snapshots)
+        adapter.pipe.transformer.load_state_dict(ema.state_dict())
+        log(f"pretraining done, cpu {(time.process_time() - start) / 60:.1f} min in all")
+        checks = evaluate(adapter, adapter.transformer, test, seeds=range(EVAL_SEEDS))
+        log(f"held-out, {len(test)} prompts x {EVAL_SEEDS} seeds, Euler ODE {EVAL_STEPS} steps: "
+            f"{format_checks(checks)}")
+        adapter.pipe.save_pretrained(tmp, safe_serialization=True)
+        os.chmod(tmp, 0o755)  # mkdtemp's folder is private
+        # Swap in the new folder: rename the old one aside first, so the destination is never half-written.
+        old = None
+        if args.out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{args.out.name}-old-", dir=args.out.parent))
+            os.rename(args.out, old / "model")
+        os.rename(tmp, args.out)
+        if old is not None:
+            shutil.rmtree(old)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()
