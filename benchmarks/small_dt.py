@@ -12,12 +12,14 @@ Wan's UniPC flow schedule at flow_shift 3, 5, 12).
 
 Part 2 (autograd): the tiny Wan2.1 (random weights, real classes; common/tiny.py) with a fresh LoRA, rolled out with
 flow-sde on two real Wan schedules; per step the autograd norm of ∂ log p / ∂v (× elements / ‖z‖: must equal k) and
-of ∂ log p / ∂θ over the LoRA weights, each relative to the schedule's largest step.
+of ∂ log p / ∂θ over the LoRA weights, each relative to the schedule's largest step. Part 3: the same on the toy
+video world's Wan model with grpo.py's toy-video preset.
 
 Usage: OMP_NUM_THREADS=1 python benchmarks/small_dt.py [--skip-autograd]
 """
 import argparse
 import math
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -184,6 +186,48 @@ def autograd_part(num_samples: int = 2) -> None:
                              f"no CFG: {title}", rows)
 
 
+def toy_video_part(num_samples: int = 4) -> None:
+    """The toy video world's Wan model (docs/toy-video-world.md) on grpo.py's toy-video preset: its schedule (the
+    model's UniPC flow shift 5, 8 steps), flow-sde η 0.7, a fresh LoRA r16/α16, no CFG, training prompts. Without the
+    pretrained model (data/toy_video/model/, made by data/toy_video/pretrain.py) the same pipeline at random init,
+    saved and reloaded through from_pretrained, stands in, and the table says so."""
+    import tempfile
+    from pathlib import Path
+
+    from common.cache import PromptEncoder
+    from common.data import Prompt
+    from common.models import load_adapter
+    from common.toy import toy_model_path
+    from common.toy_video import build_toy_video_pipeline, video_split
+    from common.training import add_lora
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "algos"))
+    from grpo import PRESETS  # the preset's values, not a copy of them
+
+    preset = PRESETS["toy-video"]
+    path, tmp = toy_model_path("wan"), None
+    what = "the pretrained toy video model"
+    if not (path / "model_index.json").exists():
+        tmp = tempfile.TemporaryDirectory()
+        path = Path(tmp.name) / "toy_video_random"
+        build_toy_video_pipeline(seed=0).save_pretrained(path, safe_serialization=True)
+        what = "the toy video pipeline at RANDOM INIT (data/toy_video/model/ is not there)"
+    adapter = load_adapter("wan", str(path), "cpu", torch.float32, preset["resolution"],
+                           max_sequence_length=preset["max_sequence_length"], num_frames=preset["num_frames"])
+    torch.manual_seed(0)
+    add_lora(adapter.transformer, preset["lora_rank"], preset["lora_alpha"], adapter.lora_target_modules)
+    train = video_split()[0]
+    cond = PromptEncoder(adapter)([Prompt(str(p), "") for p in train[:num_samples]])
+    rows = autograd_gradients(adapter, cond, adapter.sigmas(preset["num_steps"]), "flow-sde", preset["noise_level"],
+                              list(range(num_samples)), preset["guidance_scale"])
+    lo, hi = preset["sde_window_range"]
+    print_autograd_table(f"Autograd, {what}, toy-video preset: {preset['num_steps']} steps at its shift, flow-sde "
+                         f"η {preset['noise_level']}, LoRA r{preset['lora_rank']}, {num_samples} training prompts "
+                         f"(the preset trains a window of {preset['sde_window_size']} in steps {lo}..{hi - 1})", rows)
+    if tmp is not None:
+        tmp.cleanup()
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-autograd", action="store_true", help="only the schedule tables (no model)")
@@ -193,3 +237,4 @@ if __name__ == "__main__":
     print_summary(results)
     if not args.skip_autograd:
         autograd_part()
+        toy_video_part()
