@@ -43,7 +43,7 @@ class Args(TrainArgs):
     noise_level: float = 0.9
     """η of the SDE (flow-sde 0.9 FLUX / 0.7 SD3.5, dance-sde ~0.3, cps in [0, 1])"""
     step_weighting: Literal["none", "equalize"] = "none"
-    """per-step weight of the policy loss (docs/algorithms.md §4, "Per-step weighting"). equalize: step j's policy
+    """per-step weight of the policy loss (docs/algorithms.md §4, "Small steps"). equalize: step j's policy
     loss is multiplied by k_max / k_j, k_j the scale of its log-prob's gradient w.r.t. the model output
     (`log_prob_velocity_scale`; ∝ √(−dt) for flow-sde and dance-sde), k_max the largest over every step but the last.
     With a large time shift (video) σ stays near 1 and k_j is small on most steps"""
@@ -146,7 +146,7 @@ if __name__ == "__main__":
         raise UserError(f"--kl-beta must be >= 0, got {args.kl_beta}")
     run = setup(args, load_run_rewards(args), reference_copy=args.kl_beta > 0)
     adapter, sigmas, guidance, device = run.adapter, run.sigmas, run.guidance, run.device
-    # --step-weighting equalize: w_j = k_max / k_j, k_j the step's gradient scale (§4 "Per-step weighting"); none: 1
+    # --step-weighting equalize: w_j = k_max / k_j, k_j the step's gradient scale (algorithms.md §4); none: 1
     scales = [log_prob_velocity_scale(args.dynamics, float(sigmas[j]), float(sigmas[j + 1]), args.noise_level)
               for j in range(args.num_steps)]
     step_weights = [max(scales[:-1]) / k if args.step_weighting == "equalize" and k > 0 else 1.0 for k in scales]

@@ -1,4 +1,4 @@
-"""How strongly each SDE step's log-prob answers the model, on the real image and video schedules (algorithms.md §2,
+"""How strongly each SDE step's log-prob answers the model, on the real image and video schedules (algorithms.md §4,
 "Small steps"). At a step's own sample x' = μ + S·z the per-element gradient of its log-prob w.r.t. the velocity
 output is ∂ log p / ∂v = −k·z / (elements), with k = |∂μ/∂v| / S for flow-sde and dance-sde (∝ √(−dt): ∂μ/∂v ∝ dt,
 S ∝ √(−dt)) and k = 2·S·|∂μ/∂v| for cps's unnormalised log-prob (`common.dynamics.log_prob_velocity_scale`). The

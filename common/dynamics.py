@@ -123,7 +123,7 @@ def velocity_coefficient(dynamics: str, sigma: float, sigma_next: float, noise_l
 
 
 def log_prob_velocity_scale(dynamics: str, sigma: float, sigma_next: float, noise_level: float) -> float:
-    """k ≥ 0 such that, at a step's own sample x' = μ + S·z, ∂ log_prob / ∂v = −k·z / (elements) (algorithms.md §2,
+    """k ≥ 0 such that, at a step's own sample x' = μ + S·z, ∂ log_prob / ∂v = −k·z / (elements) (algorithms.md §4,
     "Small steps"): how strongly the step's log-prob, and so its policy gradient, answers the model output. Gaussian
     steps (flow-sde, dance-sde): k = |∂μ/∂v| / S, which is ∝ √(−dt); cps's unnormalised log-prob: k = 2·S·|∂μ/∂v|.
     0 where the step has no density (ode, or S = 0)."""

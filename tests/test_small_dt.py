@@ -1,7 +1,7 @@
 """The per-step log-prob gradient scale (common/dynamics.py `log_prob_velocity_scale`, `velocity_coefficient`) against
 autograd and a float64 numpy computation of §2's table, and --step-weighting in the coupled scripts: the weight the
 script applies equals a float64 k_max/k_j, the ratio stays exactly 1 before the first update, and the flag at its
-default leaves a run bitwise unchanged (algorithms.md §4, "Per-step weighting")."""
+default leaves a run bitwise unchanged (algorithms.md §4, "Small steps")."""
 
 import math
 
