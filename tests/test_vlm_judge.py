@@ -3,6 +3,7 @@
 directly (own prompt string, float64 softmax), for text-to-image and edit questions and a top-K that drops tokens;
 the one-line errors for a server that is down, too slow, serving another model or answering without log-probs."""
 
+import functools
 import json
 import math
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from common.utils import UserError
-from conftest import REPO, SLOW, free_port
+from conftest import REPO, SLOW, free_port, run_script, script_error
 from rewards import load_rewards, score_samples
 from rewards.server import JsonHandler, RewardServer
 from rewards.vlm_judge import p_yes
@@ -57,15 +58,20 @@ def images_on_grid(count, seed=0, size=36):
     return torch.randint(0, 256, (count, 3, size, size), generator=torch.Generator().manual_seed(seed)).float() / 255
 
 
+@functools.cache
+def _loaded(judge_dir):
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    return (Qwen2VLForConditionalGeneration.from_pretrained(judge_dir).eval(), AutoTokenizer.from_pretrained(judge_dir),
+            Qwen2VLImageProcessorPil.from_pretrained(judge_dir))
+
+
 def direct_p_yes(judge_dir, images: list[torch.Tensor], question: str, k: int) -> float:
     """P(yes) from the model called here: the Qwen2-VL chat string written out, the image processor, a float64
     softmax over the whole vocabulary, then the top-k tokens' yes/no mass (0.5 when neither is among them)."""
     from PIL import Image
-    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
-    model = Qwen2VLForConditionalGeneration.from_pretrained(judge_dir).eval()
-    tokenizer = AutoTokenizer.from_pretrained(judge_dir)
-    processor = Qwen2VLImageProcessorPil.from_pretrained(judge_dir)
+    model, tokenizer, processor = _loaded(judge_dir)
     pil = [Image.fromarray((image.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)) for image in images]
     vision = processor(images=pil, return_tensors="pt")
     pads = "".join("<|vision_start|>" + "<|image_pad|>" * (int(g.prod()) // 4) + "<|vision_end|>"
@@ -201,3 +207,71 @@ def test_server_command_line(judge_dir):
             assert 0 <= score <= 1 and math.isfinite(score) and json.dumps(score)
         finally:
             process.terminate()
+
+
+# ---- evaluate.py --benchmark geneval2 ----------------------------------------------------------------------------
+
+def test_geneval2_on_a_tiny_flux_against_an_independent_aggregation(tmp_path, judge_dir, judge, tiny_flux_path):
+    from PIL import Image
+
+    atoms = ["Is there a cube?", "Is it red?"]
+    lines = [{"prompt": "a red cube", "category": "attribute", "atoms": atoms, "seeds": [0, 5]},
+             {"prompt": "two dogs", "category": "count", "atoms": ["Are there dogs?", "Are there two?", "Yes?"],
+              "seed": 7},
+             {"prompt": "a red cube", "category": "again", "atoms": atoms, "seeds": [5]}]  # a pinned seed, again
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    vocab, out = len(judge.tokenizer), tmp_path / "bench"
+    with serving(judge, max_logprobs=vocab) as server:
+        printed = run_script("evaluate.py", "--benchmark", "geneval2", "--benchmark-prompts", prompts, "--model",
+                             "flux1", "--model-path", "tiny", "--max-sequence-length", "32", "--eval-num-steps", "2",
+                             "--batch-size", "1", "--reward", f"vlm_judge,url={server.url},top_logprobs={vocab}",
+                             "--benchmark-dir", out, "--output", tmp_path / "summary.json").stdout
+        assert server.server.requests_served == 1 + 2 * 2 + 3 + 2  # the test question, then one per sample and atom
+    result = json.loads((out / "base-geneval2.json").read_text())
+    samples = [(i, x) for i, p in enumerate(result["prompts"]) for x in p["samples"]]
+    assert [(i, x["seed"]) for i, x in samples] == [(0, 0), (0, 5), (1, 7), (2, 5)]
+    # each atom is the judge's P(yes) for the sample written out, computed here from the model itself
+    for i, x in samples:
+        image = torch.from_numpy(np.array(Image.open(out / "base-geneval2" / f"{i:04d}_seed{x['seed']}.png")))
+        image = image.permute(2, 0, 1).float() / 255
+        expected = [direct_p_yes(judge_dir, [image], q, vocab) for q in lines[i]["atoms"]]
+        np.testing.assert_allclose(x["atoms"], expected, rtol=1e-5, atol=1e-6)
+    assert samples[1][1]["atoms"] == samples[3][1]["atoms"] != samples[0][1]["atoms"]  # pinned: same seed, same image
+
+    # Soft-TIFA: per sample the mean, the geometric mean and all-atoms-yes; per prompt the mean over its seeds; the
+    # aggregate and each category the mean over prompts ± the standard error over prompts
+    def per_prompt(p):
+        a = [np.asarray(x["atoms"], dtype=np.float64) for x in p["samples"]]
+        return {"soft": np.mean([v.mean() for v in a]), "gm": np.mean([np.exp(np.log(v).mean()) for v in a]),
+                "strict": np.mean([float((v > 0.5).all()) for v in a])}
+
+    scores = [per_prompt(p) for p in result["prompts"]]
+    for metric in ("soft", "gm", "strict"):
+        values = np.array([s[metric] for s in scores])
+        assert result["tables"]["all"][metric] == pytest.approx(values.mean(), abs=1e-12)
+        assert result["tables"]["all"][metric + "_se"] == pytest.approx(values.std(ddof=1) / np.sqrt(3), abs=1e-12)
+        assert result[f"geneval2_{metric}"] == result["tables"]["all"][metric]
+        cells = result["tables"]["categories"]
+        assert cells["attribute"][metric] == pytest.approx(values[0], abs=1e-12) and cells["count"][metric + "_se"] == 0
+    assert 0 < result["tables"]["all"]["soft"] < 1 and len({round(s["soft"], 6) for s in scores[:2]}) == 2
+    table = (out / "base-geneval2.md").read_text()
+    assert table in printed and f"| all | 3 | {result['geneval2_soft']:.4f} ± {result['geneval2_soft_se']:.4f} |" \
+        in table and "| again | 1 |" in table
+    (summary,) = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["geneval2_gm"] == result["geneval2_gm"] and "prompts" not in summary
+
+
+def test_geneval2_bad_input_is_one_line(tmp_path):
+    from evaluate import load_geneval2
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a cat", "category": "object", "atoms": [], "seeds": [1, 1]}\n')
+    with pytest.raises(UserError, match=r"bad.jsonl:1: needs \"atoms\" \(a non-empty list of yes/no questions\), "
+                                        r"\"seed\" or \"seeds\" \(distinct"):
+        load_geneval2(bad)
+    assert len(load_geneval2(REPO / "data" / "geneval2" / "example.jsonl")) == 10  # the shipped example reads
+    assert "asks its atoms through a VLM judge: give --reward vlm_judge,url=" in script_error(
+        "evaluate.py", "--benchmark", "geneval2", "--model-path", "tiny")
+    assert "unknown --benchmark 'geneval3'; choose from: geneval2" in script_error(
+        "evaluate.py", "--benchmark", "geneval3")
