@@ -28,11 +28,10 @@ from common.checkpoint import load_full_state_into, load_lora_state_into, newest
 from common.cli import CONDITIONED_MODELS, AttentionBackend, ModelName, TrainArgs, check_finite, cli_one_line
 from common.data import DEFAULT_DATASET, Prompt, check_conditions, load_prompts
 from common.evaluation import evaluate_prompts
-from common.sampling import sample, sample_generators
 from common.models import ADAPTERS, load_adapter, resolve_model_path
-from common.tracking import format_metrics
+from common.sampling import sample, sample_generators
+from common.tracking import format_metrics, save_image_grid
 from common.training import EMA, add_lora, trainable_parameters
-from common.tracking import save_image_grid
 from common.utils import UserError, install_user_error_hook, quiet_libraries, resolve_dtype, write_text_atomic
 from rewards import load_run_rewards
 from rewards.vlm_judge import VlmJudge
@@ -316,7 +315,7 @@ def run_benchmark(benchmark: str, name: str, epoch: int, s: Namespace, adapter, 
         for start in range(0, len(mine), s.batch_size):
             batch = mine[start:start + s.batch_size]
             cond = encode([Prompt(records[i].prompt) for i, _ in batch])
-            velocity = lambda x, sigma, cond=cond: adapter.velocity(x, sigma, cond, guidance)  # noqa: E731
+            velocity = lambda x, sigma, cond=cond: adapter.velocity(x, sigma, cond, guidance)
             x0 = sample(velocity, adapter.noise(sample_generators([seed for _, seed in batch], accelerator.device)),
                         sigmas, "ode")
             images = adapter.decode(x0).float().cpu()
@@ -385,19 +384,18 @@ def main() -> None:
         adapter, encode, test = load_model(s, accelerator, test)
         rewards = load_run_rewards(s)
         judge = benchmark_judge(rewards, args.benchmark) if records is not None else None
-
-        def evaluate(name, epoch, ema=None):
-            if records is not None:
-                return run_benchmark(args.benchmark, name, epoch, s, adapter, encode, judge, records, accelerator,
-                                     Path(args.benchmark_dir), ema)
-            return score(name, epoch, s, adapter, encode, rewards, test, accelerator, grid_dir, ema,
-                         best_of=args.best_of)
-
+        model = (s, adapter, encode)
         if folder is None or (args.base and k == 0):  # before the checkpoint goes into the same transformer
-            results.append(evaluate("base" if folder is None else f"{folder.name}-base", -1))
+            name = "base" if folder is None else f"{folder.name}-base"
+            results.append(run_benchmark(args.benchmark, name, -1, *model, judge, records, accelerator,
+                                         Path(args.benchmark_dir)) if records is not None else
+                           score(name, -1, *model, rewards, test, accelerator, grid_dir, best_of=args.best_of))
         if folder is not None:
             epoch, ema = trained(checkpoint, s, adapter)
-            results.append(evaluate(folder.name, epoch, ema))
+            results.append(run_benchmark(args.benchmark, folder.name, epoch, *model, judge, records, accelerator,
+                                         Path(args.benchmark_dir), ema) if records is not None else
+                           score(folder.name, epoch, *model, rewards, test, accelerator, grid_dir, ema,
+                                 best_of=args.best_of))
         if records is None:
             accelerator.print(format_metrics(results[-1], ["name", "epoch", "eval_reward_mean"]))
     if accelerator.is_main_process:

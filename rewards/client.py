@@ -12,7 +12,6 @@ one line saying what it waits for.
 import http.client
 import io
 import json
-import socket
 import sys
 import threading
 import time
@@ -103,7 +102,7 @@ class PooledClient:
                     if not reused:
                         raise
                     reused, connection = False, self._connect()
-                except (TimeoutError, socket.timeout, ConnectionError, http.client.HTTPException):
+                except (TimeoutError, ConnectionError, http.client.HTTPException):
                     connection.close()
                     raise
                 except OSError as error:  # e.g. an unknown host name
@@ -159,11 +158,11 @@ class PooledClient:
                 if error.code not in RETRYABLE_STATUS:
                     raise RuntimeError(f"server {self.url} answered {error.code}: {_error_text(body)}") from None
                 reason, answered = f"HTTP {error.code}", True
-            except (TimeoutError, socket.timeout) as error:
+            except TimeoutError as error:  # socket.timeout is TimeoutError
                 reason, answered = f"no answer within {self.timeout:g} s ({error})", True
             except (urllib.error.URLError, ConnectionError) as error:
                 cause = getattr(error, "reason", error)
-                if isinstance(cause, (TimeoutError, socket.timeout)):
+                if isinstance(cause, TimeoutError):
                     reason, answered = f"no answer within {self.timeout:g} s", True
                 else:
                     reason = str(cause)
