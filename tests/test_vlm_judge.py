@@ -132,6 +132,28 @@ def test_neither_token_in_the_top_k_scores_one_half_and_says_so(judge, capfd):
     assert "neither yes nor no among the top 1 tokens" in capfd.readouterr().err
 
 
+def test_the_judge_scores_micro_batches_concurrently_while_the_rollout_goes_on(judge):
+    from common.scoring import RolloutScoring
+
+    images, prompts = images_on_grid(8, seed=4), [f"thing {i}" for i in range(8)]
+    with serving(judge) as server:
+        (reward,) = load_rewards([f"vlm_judge,url={server.url},connections=4"])
+        expected = score_samples([reward], images, prompts, torch.zeros(8))
+        judge_top = judge.top_logprobs
+        judge.top_logprobs = lambda messages, k: (time.sleep(0.3), judge_top(messages, k))[1]
+        try:
+            start = time.time()
+            scoring = RolloutScoring([reward], prompts, torch.zeros(8), workers=2)
+            for s in range(0, 8, 4):  # two micro-batches, scored by the reward workers
+                scoring.submit(images[s:s + 4])
+            got = scoring.collect()
+            elapsed = time.time() - start
+        finally:
+            judge.top_logprobs = judge_top
+    # 8 requests of 0.3 s each: one at a time would take 2.4 s; `connections` of them are in flight at once
+    assert torch.equal(got, expected) and elapsed < 1.6, elapsed
+
+
 def test_server_down_is_one_line_naming_the_url():
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(UserError) as info:
