@@ -87,7 +87,8 @@ class Args:
     """score on a benchmark's prompt set instead of the test split: geneval2 (its atoms asked through the first
     --reward vlm_judge,url=...; docs/running.md#benchmarks)"""
     benchmark_prompts: str | None = None
-    """the benchmark's prompt file (unset: its example in data/, e.g. data/geneval2/example.jsonl)"""
+    """the benchmark's prompt file (unset: its example in data/, e.g. data/geneval2/example.jsonl); it pins the
+    prompts and seeds, so --eval-num-prompts and --eval-seeds do not apply"""
     benchmark_dir: str = "runs/benchmark"
     """folder for a benchmark's results: per model NAME-BENCHMARK.json (every sample's scores and the tables),
     NAME-BENCHMARK.md (the tables) and NAME-BENCHMARK/ (the samples as PNG)"""

@@ -3,7 +3,9 @@
 directly (own prompt string, float64 softmax), for text-to-image and edit questions and a top-K that drops tokens;
 the one-line errors for a server that is down, too slow, serving another model or answering without log-probs."""
 
+import contextlib
 import functools
+import io
 import json
 import math
 import subprocess
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from common.utils import UserError
-from conftest import REPO, SLOW, free_port, run_script, script_error
+from conftest import REPO, SLOW, free_port, script_error
 from rewards import load_rewards, score_samples
 from rewards.server import JsonHandler, RewardServer
 from rewards.vlm_judge import p_yes
@@ -187,6 +189,10 @@ def test_wrong_model_and_too_many_logprobs_are_one_line(judge):
             load_rewards([f"vlm_judge,url={url},top_logprobs=21"])
     with pytest.raises(UserError, match="the vlm_judge question 'Is it red' has no {prompt}"):
         load_rewards(["vlm_judge,url=http://127.0.0.1:1,question=Is it red"])
+    with pytest.raises(UserError, match="vlm_judge question_file=/nonexistent/q.txt: cannot read it"):
+        load_rewards(["vlm_judge,url=http://127.0.0.1:1,question_file=/nonexistent/q.txt"])
+    with pytest.raises(UserError, match="vlm_judge option conditions= takes true or false, got 'yes'"):
+        load_rewards(["vlm_judge,url=http://127.0.0.1:1,conditions=yes"])
 
 
 class _NoLogprobs(JsonHandler):
@@ -233,6 +239,21 @@ def test_server_command_line(judge_dir):
 
 # ---- evaluate.py --benchmark geneval2 ----------------------------------------------------------------------------
 
+def evaluate_here(*args) -> str:
+    """evaluate.py's output for `args`, run in this process (its imports are paid already; the script's command
+    line itself is tested by test_evaluate.py)."""
+    import evaluate
+
+    saved = sys.argv, sys.excepthook
+    sys.argv = ["evaluate.py", *map(str, args)]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            evaluate.main()
+    finally:
+        sys.argv, sys.excepthook = saved
+    return printed.getvalue()
+
+
 def test_geneval2_on_a_tiny_flux_against_an_independent_aggregation(tmp_path, judge_dir, judge, tiny_flux_path):
     from PIL import Image
 
@@ -245,10 +266,10 @@ def test_geneval2_on_a_tiny_flux_against_an_independent_aggregation(tmp_path, ju
     prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
     vocab, out = len(judge.tokenizer), tmp_path / "bench"
     with serving(judge, max_logprobs=vocab) as server:
-        printed = run_script("evaluate.py", "--benchmark", "geneval2", "--benchmark-prompts", prompts, "--model",
-                             "flux1", "--model-path", "tiny", "--max-sequence-length", "32", "--eval-num-steps", "2",
-                             "--batch-size", "1", "--reward", f"vlm_judge,url={server.url},top_logprobs={vocab}",
-                             "--benchmark-dir", out, "--output", tmp_path / "summary.json").stdout
+        printed = evaluate_here("--benchmark", "geneval2", "--benchmark-prompts", prompts, "--model", "flux1",
+                                "--model-path", "tiny", "--max-sequence-length", "32", "--eval-num-steps", "2",
+                                "--batch-size", "1", "--reward", f"vlm_judge,url={server.url},top_logprobs={vocab}",
+                                "--benchmark-dir", out, "--output", tmp_path / "summary.json")
         assert server.server.requests_served == 1 + 2 * 2 + 3 + 2  # the test question, then one per sample and atom
     result = json.loads((out / "base-geneval2.json").read_text())
     samples = [(i, x) for i, p in enumerate(result["prompts"]) for x in p["samples"]]
