@@ -221,7 +221,8 @@ if __name__ == "__main__":
         raise UserError("--max-logprobs must be at least 1 and --timeout a positive number")
     path = args.model_path
     if path == "tiny":
-        path = tempfile.mkdtemp(prefix="tiny-judge-")
+        tiny_folder = tempfile.TemporaryDirectory(prefix="tiny-judge-")  # removed when the server exits
+        path = tiny_folder.name
         build_tiny_judge(path)
     device = torch.device(args.device)
     judge = Judge(path, args.device, resolve_dtype(args.dtype, device))
