@@ -355,6 +355,16 @@ def benchmark_judge(rewards, benchmark: str) -> VlmJudge:
     return judges[0]
 
 
+def score_or_benchmark(args: Args, name: str, epoch: int, model: tuple, rewards, test, judge, records, accelerator,
+                       ema=None) -> dict:
+    """`score` on the test split, or with --benchmark `run_benchmark` on its prompts; `model`: (settings, adapter,
+    prompt encoder)."""
+    if records is not None:
+        return run_benchmark(args.benchmark, name, epoch, *model, judge, records, accelerator,
+                             Path(args.benchmark_dir), ema)
+    return score(name, epoch, *model, rewards, test, accelerator, Path(args.grid_dir), ema, best_of=args.best_of)
+
+
 def main() -> None:
     install_user_error_hook()
     quiet_libraries()
@@ -385,18 +395,13 @@ def main() -> None:
         adapter, encode, test = load_model(s, accelerator, test)
         rewards = load_run_rewards(s)
         judge = benchmark_judge(rewards, args.benchmark) if records is not None else None
-        model = (s, adapter, encode)
+        model, scoring = (s, adapter, encode), (rewards, test, judge, records, accelerator)
         if folder is None or (args.base and k == 0):  # before the checkpoint goes into the same transformer
             name = "base" if folder is None else f"{folder.name}-base"
-            results.append(run_benchmark(args.benchmark, name, -1, *model, judge, records, accelerator,
-                                         Path(args.benchmark_dir)) if records is not None else
-                           score(name, -1, *model, rewards, test, accelerator, grid_dir, best_of=args.best_of))
+            results.append(score_or_benchmark(args, name, -1, model, *scoring))
         if folder is not None:
             epoch, ema = trained(checkpoint, s, adapter)
-            results.append(run_benchmark(args.benchmark, folder.name, epoch, *model, judge, records, accelerator,
-                                         Path(args.benchmark_dir), ema) if records is not None else
-                           score(folder.name, epoch, *model, rewards, test, accelerator, grid_dir, ema,
-                                 best_of=args.best_of))
+            results.append(score_or_benchmark(args, folder.name, epoch, model, *scoring, ema=ema))
         if records is None:
             accelerator.print(format_metrics(results[-1], ["name", "epoch", "eval_reward_mean"]))
     if accelerator.is_main_process:
