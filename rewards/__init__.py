@@ -25,8 +25,8 @@ too (pointwise, no options). Rewards are called under torch.no_grad on detached 
 returns NaN/inf or the wrong number of scores stops the run with an error naming it.
 In training, a pointwise reward is called once per rollout micro-batch, from a worker thread while the next
 micro-batch is denoised (--reward-workers; common/scoring.py), one call at a time unless the score object sets
-`thread_safe = True` (as the remote client does). A reward that draws random numbers should use its own generator:
-draws from torch's global one would interleave with the rollout's.
+`thread_safe = True` (as the remote client and the VLM judge do). A reward that draws random numbers should use
+its own generator: draws from torch's global one would interleave with the rollout's.
 """
 
 import importlib
@@ -45,6 +45,7 @@ from rewards.remote import RemoteReward
 from rewards.toy import ToyReward
 from rewards.toy_edit import ToyEditReward
 from rewards.toy_video import ToyVideoReward
+from rewards.vlm_judge import VlmJudge
 
 
 # name -> (factory(device, dtype, **options) -> score callable, groupwise). A score object's own `groupwise`
@@ -61,6 +62,7 @@ REWARDS = {
     "toy": (ToyReward, False),
     "toy_edit": (ToyEditReward, False),
     "toy_video": (ToyVideoReward, False),
+    "vlm_judge": (VlmJudge, False),
 }
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")

@@ -88,7 +88,7 @@ def test_the_remote_client_sends_micro_batches_concurrently_on_kept_connections(
             # four requests of 0.4 s in flight together: well under the 1.6 s one at a time; every answer its own
             assert elapsed < 1.2, elapsed
             assert torch.equal(got[:, 0], decode_images(encode_images(images)).double().flatten(1).mean(1))
-        assert 1 <= len(remote.score.idle) <= 4 and server.requests_served == 8
+        assert 1 <= len(remote.score.client.idle) <= 4 and server.requests_served == 8
     finally:
         server.shutdown()
         server.server_close()
