@@ -17,6 +17,10 @@ The interface a reward follows (the built-in ones and the user's alike):
 A reward that judges an edit or an image-to-video sample against its input sets `wants_conditions = True` and is
 called as `__call__(images, prompts, conditions)`: conditions[i] is the list of sample i's condition images, each a
 (3, h, w) float tensor in [0, 1] at its file's own size. Every other reward is called as before.
+A reward that judges whole video clips sets `video = True` and receives (B, F, 3, H, W) (others score each frame and
+the scores are averaged); given an image model it stops the run with one line. `__call__` may return a dict: its
+"score" entry (B numbers) is the score, every other entry a named column of B numbers (e.g. per-dimension scores)
+logged as `reward_<name>_<column>_mean/_std` and `eval_reward_<name>_<column>`.
 `__init__` gets `device`/`dtype` only when it names them. A plain function `(images, prompts) -> scores` works
 too (pointwise, no options). Rewards are called under torch.no_grad on detached images; one that raises or
 returns NaN/inf or the wrong number of scores stops the run with an error naming it.
@@ -155,7 +159,8 @@ def load_rewards(specs: list[str], device=None, dtype=torch.float32) -> list[Rew
             default_name = source
         name = name or getattr(scorer, "name", None) or default_name
         groupwise = bool(getattr(scorer, "groupwise", groupwise))
-        rewards.append(Reward(name, weight, scorer, groupwise, bool(getattr(scorer, "wants_conditions", False))))
+        rewards.append(Reward(name, weight, scorer, groupwise, bool(getattr(scorer, "wants_conditions", False)),
+                              bool(getattr(scorer, "video", False))))
     names = [r.name for r in rewards]
     if len(set(names)) != len(names):
         raise UserError(f"two rewards are named {max(names, key=names.count)!r} in {specs}: "
