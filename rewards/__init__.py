@@ -42,7 +42,7 @@ from common.utils import UserError
 from rewards.clip import Aesthetic, ClipScore, PickScore, PickScoreRank
 from rewards.jpeg import jpeg_compressibility, jpeg_incompressibility
 from rewards.ocr import OcrReward
-from rewards.qwen_vl import HPSv3
+from rewards.qwen_vl import EditReward, HPSv3, VideoAlign
 from rewards.remote import RemoteReward
 from rewards.toy import ToyReward
 from rewards.toy_edit import ToyEditReward
@@ -57,6 +57,8 @@ REWARDS = {
     "aesthetic": (Aesthetic, False),
     "ocr": (OcrReward, False),
     "hpsv3": (HPSv3, False),
+    "editreward": (EditReward, False),
+    "videoalign": (VideoAlign, False),
     "jpeg_compressibility": (lambda device, dtype: jpeg_compressibility, False),
     "jpeg_incompressibility": (lambda device, dtype: jpeg_incompressibility, False),
     "remote": (RemoteReward, False),

@@ -14,13 +14,12 @@ from rewards.qwen_vl import HPSV3_INSTRUCTION, HPSV3_PIXELS, save_tiny_qwen_vl
 
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
 ASSISTANT = "<|im_end|>\n<|im_start|>assistant\n"
-RANKNET = [(32, 16, True), (16, 8, True), (8, 2, True)]  # the ranknet head's layout at width 32 (real: H→1024→16→2)
 
 
 @pytest.fixture(scope="module")
 def hpsv3(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-hpsv3")
-    return save_tiny_qwen_vl(folder, "Qwen2VLModel", ("<|Reward|>",), {"rm_head.": RANKNET}), folder / "base"
+    return save_tiny_qwen_vl(folder, "Qwen2VLModel", ("<|Reward|>",), ("rm_head.",)), folder / "base"
 
 
 def quantised(count, height, width, seed=0):
