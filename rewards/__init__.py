@@ -40,6 +40,7 @@ import torch
 from common.scoring import Reward, call_reward, condition_tensors, score_samples  # noqa: F401 (re-exported)
 from common.utils import UserError
 from rewards.clip import Aesthetic, ClipScore, PickScore, PickScoreRank
+from rewards.imagereward import ImageReward
 from rewards.jpeg import jpeg_compressibility, jpeg_incompressibility
 from rewards.ocr import OcrReward
 from rewards.qwen_vl import EditReward, HPSv3, VideoAlign
@@ -56,6 +57,7 @@ REWARDS = {
     "clip": (ClipScore, False),
     "aesthetic": (Aesthetic, False),
     "ocr": (OcrReward, False),
+    "imagereward": (ImageReward, False),
     "hpsv3": (HPSv3, False),
     "editreward": (EditReward, False),
     "videoalign": (VideoAlign, False),

@@ -30,6 +30,7 @@ import torch
 
 from common.utils import UserError
 from rewards.clip import to_pil
+from rewards.weights import checkpoint_file, load_state, snapshot_folder
 
 SYSTEM_PROMPT = "You are a helpful assistant."  # the Qwen2-VL / Qwen2.5-VL chat template's default system turn
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -165,52 +166,8 @@ END
 """
 
 
-def _resolve(path: str, filenames: tuple[str, ...]) -> Path:
-    """A checkpoint file: `path` itself, the first of `filenames` in the folder `path`, else the first of `filenames`
-    that the hub repo `path` holds."""
-    local = Path(path)
-    if local.is_file():
-        return local
-    if local.is_dir():
-        return next((local / name for name in filenames if (local / name).exists()), local / filenames[0])
-    from huggingface_hub import hf_hub_download
-
-    errors = []
-    for name in filenames:
-        try:
-            return Path(hf_hub_download(path, name))
-        except Exception as error:  # offline, unknown repo or file
-            errors.append(str(error).splitlines()[0])
-    raise UserError(f"cannot load the reward checkpoint {path!r}/{' or '.join(filenames)}: {errors[-1]}")
-
-
-def _local_folder(path: str) -> Path:
-    """A folder of the hub repo or local folder `path` (the whole snapshot)."""
-    if Path(path).is_dir():
-        return Path(path)
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(path))
-    except Exception as error:
-        raise UserError(f"cannot load the reward checkpoint {path!r}: {str(error).splitlines()[0]}") from None
-
-
 def read_file_state(source: str, base: str) -> dict:
     return load_state(Path(source))
-
-
-def load_state(file: Path) -> dict:
-    """A state dict from safetensors or a weights-only torch pickle (`{"model": ...}` unwrapped, as the references)."""
-    if not file.exists():
-        raise UserError(f"reward checkpoint {file} does not exist")
-    if file.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state = load_file(file)
-    else:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-    return state.get("model", state) if isinstance(state.get("model", None), dict) else state
 
 
 def backbone_key(key: str) -> str | None:
@@ -373,7 +330,7 @@ class HPSv3(QwenVLReward):
     from (config, tokenizer, image processor)."""
 
     def __init__(self, device=None, dtype=torch.float32, path=HPSV3_CHECKPOINT, base=HPSV3_BASE, batch_size="8"):
-        super().__init__(str(_resolve(path, (HPSV3_FILE,))), read_file_state, base, device, dtype, batch_size)
+        super().__init__(str(checkpoint_file(path, (HPSV3_FILE,))), read_file_state, base, device, dtype, batch_size)
 
     def __call__(self, images, prompts):
         scores = []
@@ -397,7 +354,7 @@ class EditReward(QwenVLReward):
 
     def __init__(self, device=None, dtype=torch.float32, path=EDITREWARD_CHECKPOINT, base=EDITREWARD_BASE,
                  batch_size="8"):
-        super().__init__(str(_resolve(path, EDITREWARD_FILES)), read_file_state, base, device, dtype, batch_size)
+        super().__init__(str(checkpoint_file(path, EDITREWARD_FILES)), read_file_state, base, device, dtype, batch_size)
 
     def load_heads(self, state: dict) -> dict:
         return {name: build_head(state, f"rm_heads.{name}.").to(self.device) for name in ("head_0", "head_1")}
@@ -447,7 +404,7 @@ def videoalign_state(source: str, base: str) -> dict:
     if (checkpoint / "model.pth").exists():
         return load_state(checkpoint / "model.pth")
     state = {}
-    for file in sorted(_local_folder(base).glob("*.safetensors")):
+    for file in sorted(snapshot_folder(base).glob("*.safetensors")):
         state.update({_canonical(key): value for key, value in load_file(file).items()})
     non_lora = torch.load(checkpoint / "non_lora_state_dict.pth", map_location="cpu", weights_only=True)
     for key, value in non_lora.items():
@@ -488,7 +445,7 @@ class VideoAlign(QwenVLReward):
 
     def __init__(self, device=None, dtype=torch.float32, path=VIDEOALIGN_CHECKPOINT, base=VIDEOALIGN_BASE, fps="16",
                  batch_size="2"):
-        folder = _local_folder(path)
+        folder = snapshot_folder(path)
         try:
             config = json.loads((folder / "model_config.json").read_text())
             data, model = config["data_config"], config["model_config"]
