@@ -200,3 +200,15 @@ def test_video_reward_refuses_images(videoalign):
     (reward,) = load_rewards([f"videoalign,path={folder},base={folder / 'base'}"])
     with pytest.raises(UserError, match="'videoalign' scores whole video clips .* use it with a video model"):
         score_samples([reward], quantised(2, 16, 16), ["a", "b"], torch.arange(2))
+
+
+def test_video_reward_on_an_image_model_stops_before_anything_is_written(videoalign, tmp_path):
+    from conftest import script_error
+
+    folder, _ = videoalign
+    out = tmp_path / "run"
+    message = script_error("algos/grpo.py", "--preset", "tiny", "--output-dir", out, "--reward",
+                           f"videoalign,path={folder},base={folder / 'base'}")
+    assert message.startswith("error: reward 'videoalign' scores video clips, but --model flux1 makes images; "
+                              "choose a video model: wan, ")
+    assert not out.exists()
