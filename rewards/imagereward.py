@@ -32,35 +32,43 @@ VIT_HEAD_DIM = 64  # BLIP's ViT-B (768, 12 heads) and ViT-L (1024, 16 heads) bot
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
-# BLIP's ViT names -> transformers' BlipVisionModel names.
+# BLIP's ViT names -> transformers' BlipVisionModel names ({} is a block's index).
 _VISION_NAMES = [
-    (r"^cls_token$", "embeddings.class_embedding"), (r"^pos_embed$", "embeddings.position_embedding"),
-    (r"^patch_embed\.proj\.", "embeddings.patch_embedding."), (r"^norm\.", "post_layernorm."),
-    (r"^blocks\.(\d+)\.norm1\.", r"encoder.layers.\1.layer_norm1."),
-    (r"^blocks\.(\d+)\.norm2\.", r"encoder.layers.\1.layer_norm2."),
-    (r"^blocks\.(\d+)\.attn\.qkv\.", r"encoder.layers.\1.self_attn.qkv."),
-    (r"^blocks\.(\d+)\.attn\.proj\.", r"encoder.layers.\1.self_attn.projection."),
-    (r"^blocks\.(\d+)\.mlp\.", r"encoder.layers.\1.mlp."),
+    ("cls_token", "embeddings.class_embedding"), ("pos_embed", "embeddings.position_embedding"),
+    ("patch_embed.proj.", "embeddings.patch_embedding."), ("norm.", "post_layernorm."),
+    ("blocks.{}.norm1.", "encoder.layers.{}.layer_norm1."), ("blocks.{}.norm2.", "encoder.layers.{}.layer_norm2."),
+    ("blocks.{}.attn.qkv.", "encoder.layers.{}.self_attn.qkv."),
+    ("blocks.{}.attn.proj.", "encoder.layers.{}.self_attn.projection."), ("blocks.{}.mlp.", "encoder.layers.{}.mlp."),
 ]
+
+
+def rename_vision(name: str, to_transformers: bool = True) -> str | None:
+    """A ViT parameter's name in BLIP's module -> in BlipVisionModel (or back); None for another name."""
+    for blip, hf in _VISION_NAMES:
+        source, target = (blip, hf) if to_transformers else (hf, blip)
+        match = re.match(re.escape(source).replace(r"\{\}", r"(\d+)"), name)
+        if match and (source.endswith(".") or name == source):
+            return target.format(*match.groups()) + name[match.end():]
+    return None
 
 
 def vision_state(state: dict) -> dict:
     """`blip.visual_encoder.*` of the release under BlipVisionModel's names."""
-    out = {}
-    for key, value in state.items():
-        if key.startswith("blip.visual_encoder."):
-            name = key.removeprefix("blip.visual_encoder.")
-            for pattern, replacement in _VISION_NAMES:
-                if re.search(pattern, name):
-                    out[re.sub(pattern, replacement, name)] = value
-                    break
-    return out
+    names = {key: rename_vision(key.removeprefix("blip.visual_encoder.")) for key in state
+             if key.startswith("blip.visual_encoder.")}
+    return {name: state[key] for key, name in names.items() if name is not None}
 
 
 @functools.cache
 def load_imagereward(checkpoint: str, config: str, tokenizer_path: str, device: torch.device, dtype: torch.dtype):
     """(vision model, text model, MLP head, tokenizer), loaded once per process and settings."""
-    from transformers import BertTokenizer, BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel
+    from transformers import (
+        BertTokenizer,
+        BlipTextConfig,
+        BlipTextModel,
+        BlipVisionConfig,
+        BlipVisionModel,
+    )
 
     state = load_state(Path(checkpoint))
     try:
@@ -115,7 +123,7 @@ def preprocess(images, size: int) -> torch.Tensor:
         scaled = (size, int(size * long / short))
         new_width, new_height = scaled if width <= height else scaled[::-1]
         image = image.resize((new_width, new_height), Image.BICUBIC)
-        top, left = int(round((new_height - size) / 2.0)), int(round((new_width - size) / 2.0))
+        top, left = round((new_height - size) / 2.0), round((new_width - size) / 2.0)  # Python's round, as torchvision
         image = image.crop((left, top, left + size, top + size))
         pixels = np.asarray(image, dtype=np.float32).transpose(2, 0, 1) / 255
         out.append((pixels - np.array(OPENAI_CLIP_MEAN, np.float32)[:, None, None])
@@ -156,59 +164,38 @@ class ImageReward:
 
 
 def save_tiny_imagereward(folder, seed: int = 0) -> Path:
-    """A tiny random ImageReward release in `folder`: ImageReward.pt (BLIP's key names: a 1-block ViT of width 64 and
-    16-pixel patches at 224 px, a 2-layer BERT of width 32 with cross-attention, the 32→1024→128→64→16→1 head, plus
-    BLIP_Pretrain's projections the scorer ignores), med_config.json and a word-level BERT tokenizer. Returns the .pt."""
-    from transformers import BertTokenizer
+    """A tiny random ImageReward release in `folder`: ImageReward.pt (a state dict in BLIP's key names of a random
+    1-block BlipVisionModel of width 64 with 16-pixel patches at 224 px, a 2-layer BlipTextModel of width 32 with
+    cross-attention, and a random 32→1024→128→64→16→1 head), med_config.json and a word-level BERT tokenizer.
+    Returns the .pt file."""
+    from transformers import BertTokenizer, BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    words = "a cat dog red blue cube on the of an image photo two sitting grass".split()
+    words = ["a", "cat", "dog", "red", "blue", "cube", "on", "the", "of", "an", "image", "photo", "two", "sitting",
+             "grass"]
     vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words])}
     BertTokenizer(vocab=vocab).save_pretrained(folder)
     med = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
            "max_position_embeddings": 64, "vocab_size": len(vocab) + 2, "layer_norm_eps": 1e-12,
            "hidden_act": "gelu", "pad_token_id": 0, "encoder_width": 64, "add_cross_attention": True}
     (folder / IMAGEREWARD_CONFIG).write_text(json.dumps(med))
-    generator = torch.Generator().manual_seed(seed)
-
-    def random(*shape):
-        return torch.randn(*shape, generator=generator) * 0.2
-
-    width, tokens = 64, (224 // 16) ** 2 + 1
-    state = {"blip.visual_encoder.cls_token": random(1, 1, width), "blip.visual_encoder.pos_embed": random(1, tokens, width),
-             "blip.visual_encoder.patch_embed.proj.weight": random(width, 3, 16, 16) / 8,
-             "blip.visual_encoder.patch_embed.proj.bias": random(width), "blip.vision_proj.weight": random(8, width)}
-    block = {"norm1": width, "norm2": width, "attn.qkv": (3 * width, width), "attn.proj": (width, width),
-             "mlp.fc1": (4 * width, width), "mlp.fc2": (width, 4 * width)}
-    for name, shape in [(f"blocks.0.{k}", v) for k, v in block.items()] + [("norm", width)]:
-        key = f"blip.visual_encoder.{name}"
-        if isinstance(shape, int):  # LayerNorm
-            state[f"{key}.weight"], state[f"{key}.bias"] = 1 + random(shape), random(shape)
-        else:
-            state[f"{key}.weight"], state[f"{key}.bias"] = random(*shape), random(shape[0])
-    hidden, inner = med["hidden_size"], med["intermediate_size"]
-    state["blip.text_encoder.embeddings.word_embeddings.weight"] = random(med["vocab_size"], hidden)
-    state["blip.text_encoder.embeddings.position_embeddings.weight"] = random(med["max_position_embeddings"], hidden)
-    state["blip.text_encoder.embeddings.position_ids"] = torch.arange(med["max_position_embeddings"])[None]
-    for prefix, size in (("embeddings.LayerNorm", hidden),):
-        state[f"blip.text_encoder.{prefix}.weight"], state[f"blip.text_encoder.{prefix}.bias"] = 1 + random(size), \
-            random(size)
-    for layer in range(med["num_hidden_layers"]):
-        linears = {"attention.self.query": (hidden, hidden), "attention.self.key": (hidden, hidden),
-                   "attention.self.value": (hidden, hidden), "attention.output.dense": (hidden, hidden),
-                   "crossattention.self.query": (hidden, hidden), "crossattention.self.key": (hidden, width),
-                   "crossattention.self.value": (hidden, width), "crossattention.output.dense": (hidden, hidden),
-                   "intermediate.dense": (inner, hidden), "output.dense": (hidden, inner)}
-        for name, shape in linears.items():
-            key = f"blip.text_encoder.encoder.layer.{layer}.{name}"
-            state[f"{key}.weight"], state[f"{key}.bias"] = random(*shape), random(shape[0])
-        for name in ("attention.output.LayerNorm", "crossattention.output.LayerNorm", "output.LayerNorm"):
-            key = f"blip.text_encoder.encoder.layer.{layer}.{name}"
-            state[f"{key}.weight"], state[f"{key}.bias"] = 1 + random(hidden), random(hidden)
-    sizes = [(hidden, 1024), (1024, 128), (128, 64), (64, 16), (16, 1)]
-    for index, (fan_in, fan_out) in zip((0, 2, 4, 6, 7), sizes):
-        state[f"mlp.layers.{index}.weight"] = 5 * random(fan_out, fan_in) / fan_in ** 0.5
-        state[f"mlp.layers.{index}.bias"] = random(fan_out)
+    torch.manual_seed(seed)
+    vision = BlipVisionModel(BlipVisionConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=1,
+                                              num_attention_heads=1, image_size=224, patch_size=16,
+                                              layer_norm_eps=1e-6))
+    text = BlipTextModel(BlipTextConfig(
+        vocab_size=med["vocab_size"], hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=64, encoder_hidden_size=64, is_decoder=True), add_pooling_layer=False)
+    for module in (vision, text):  # larger than the initialisers' weights, so that images and prompts tell apart
+        for parameter in module.parameters():
+            parameter.data += 0.2 * torch.randn_like(parameter)
+    state = {f"blip.visual_encoder.{rename_vision(k, to_transformers=False)}": v
+             for k, v in vision.state_dict().items()}
+    state.update({f"blip.text_encoder.{k}": v for k, v in text.state_dict().items()})
+    head = torch.nn.Sequential(torch.nn.Linear(32, 1024), torch.nn.Dropout(0.2), torch.nn.Linear(1024, 128),
+                               torch.nn.Dropout(0.2), torch.nn.Linear(128, 64), torch.nn.Dropout(0.1),
+                               torch.nn.Linear(64, 16), torch.nn.Linear(16, 1))
+    state.update({f"mlp.layers.{k}": 5 * v for k, v in head.state_dict().items()})
     torch.save(state, folder / IMAGEREWARD_FILE)
     return folder / IMAGEREWARD_FILE

@@ -174,7 +174,7 @@ def backbone_key(key: str) -> str | None:
     """A checkpoint key under the name of transformers' Qwen2VLModel / Qwen2_5_VLModel, or None for lm_head and the
     reward heads: keys saved by the ForConditionalGeneration class of transformers ≥ 4.52 (`model.language_model.*`,
     `model.visual.*`) or of older versions (`model.*` for the language model, `visual.*`)."""
-    if key.startswith("model.language_model.") or key.startswith("model.visual."):
+    if key.startswith(("model.language_model.", "model.visual.")):
         return key.removeprefix("model.")
     if key.startswith("visual."):
         return key
@@ -591,9 +591,10 @@ def save_tiny_videoalign(folder: Path, seed: int = 0, num_frames=None, inference
     save_file({f"base_model.model.{k}": v.contiguous() for k, v in get_peft_model_state_dict(full).items()},
               checkpoint / "adapter_model.safetensors")
     head = torch.nn.Linear(32, 3, bias=False)
-    torch.save({"base_model.model.model.language_model.embed_tokens.weight":
+    non_lora = {"base_model.model.model.language_model.embed_tokens.weight":
                 full.model.language_model.embed_tokens.weight.detach().clone(),
-                "base_model.model.rm_head.weight": head.weight.detach().clone()}, checkpoint / "non_lora_state_dict.pth")
+                "base_model.model.rm_head.weight": head.weight.detach().clone()}
+    torch.save(non_lora, checkpoint / "non_lora_state_dict.pth")
     config = {
         "data_config": {"max_frame_pixels": 112 * 112, "num_frames": num_frames, "fps": 2.0,
                         "eval_dim": ["VQ", "MQ", "TA"], "prompt_template_type": "detailed_special",

@@ -10,8 +10,14 @@ import torch
 from PIL import Image
 
 from rewards import load_rewards, score_samples
-from rewards.imagereward import IMAGEREWARD_MEAN, IMAGEREWARD_STD, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, preprocess, \
-    save_tiny_imagereward
+from rewards.imagereward import (
+    IMAGEREWARD_MEAN,
+    IMAGEREWARD_STD,
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    preprocess,
+    save_tiny_imagereward,
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +39,7 @@ def gelu(x):
 
 def attention(q, k, v, heads, mask=None):
     """q (Lq, D), k/v (Lk, D): softmax(q·kᵀ/√d)·v per head, masked keys (mask 0) left out."""
-    split = lambda x: x.reshape(len(x), heads, -1).transpose(1, 0, 2)  # noqa: E731
+    split = lambda x: x.reshape(len(x), heads, -1).transpose(1, 0, 2)
     q, k, v = split(q), split(k), split(v)
     logits = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1])
     if mask is not None:
@@ -46,7 +52,7 @@ def attention(q, k, v, heads, mask=None):
 def blip_numpy(state, med, pixels, ids, mask):
     """ImageReward's raw head output for one image (3, 224, 224) and one token row, in float64 from BLIP's keys."""
     s = {k: v.double().numpy() for k, v in state.items()}
-    linear = lambda x, name: x @ s[f"{name}.weight"].T + s[f"{name}.bias"]  # noqa: E731
+    linear = lambda x, name: x @ s[f"{name}.weight"].T + s[f"{name}.bias"]
     v = "blip.visual_encoder."
     width, patch = s[v + "cls_token"].shape[-1], 16
     grid = pixels.shape[-1] // patch

@@ -11,9 +11,19 @@ from PIL import Image
 from common.scoring import call_reward
 from common.utils import UserError
 from rewards import load_rewards, score_samples
-from rewards.qwen_vl import (EDITREWARD_FOLLOWING, EDITREWARD_PIXELS, EDITREWARD_QUALITY, EDITREWARD_SUFFIX,
-                             HPSV3_INSTRUCTION, HPSV3_PIXELS, TINY_LORA_TARGETS, VIDEOALIGN_PROMPT, VIDEOALIGN_TOKENS,
-                             save_tiny_qwen_vl, save_tiny_videoalign)
+from rewards.qwen_vl import (
+    EDITREWARD_FOLLOWING,
+    EDITREWARD_PIXELS,
+    EDITREWARD_QUALITY,
+    EDITREWARD_SUFFIX,
+    HPSV3_INSTRUCTION,
+    HPSV3_PIXELS,
+    TINY_LORA_TARGETS,
+    VIDEOALIGN_PROMPT,
+    VIDEOALIGN_TOKENS,
+    save_tiny_qwen_vl,
+    save_tiny_videoalign,
+)
 
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
 ASSISTANT = "<|im_end|>\n<|im_start|>assistant\n"
