@@ -168,7 +168,13 @@ def save_tiny_imagereward(folder, seed: int = 0) -> Path:
     1-block BlipVisionModel of width 64 with 16-pixel patches at 224 px, a 2-layer BlipTextModel of width 32 with
     cross-attention, and a random 32→1024→128→64→16→1 head), med_config.json and a word-level BERT tokenizer.
     Returns the .pt file."""
-    from transformers import BertTokenizer, BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel
+    from transformers import (
+        BertTokenizer,
+        BlipTextConfig,
+        BlipTextModel,
+        BlipVisionConfig,
+        BlipVisionModel,
+    )
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
