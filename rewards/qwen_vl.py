@@ -213,14 +213,13 @@ def build_head(state: dict, prefix: str) -> torch.nn.Module:
 @functools.cache
 def load_backbone(source: str, read_state, base: str, model_class: str, special_tokens: tuple, device: torch.device,
                   dtype: torch.dtype):
-    """(backbone, tokenizer, image processor, the checkpoint's state dict `read_state(source, base)`): loaded once per
-    process and settings."""
+    """(backbone, tokenizer, image processor, the heads' tensors of the checkpoint `read_state(source, base)`): loaded
+    once per process and settings."""
     import transformers
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoTokenizer, Qwen2VLImageProcessorPil
 
     state = read_state(source, base)
-    file = source
     try:
         tokenizer = AutoTokenizer.from_pretrained(base)
         image_processor = Qwen2VLImageProcessorPil.from_pretrained(base)
@@ -231,9 +230,9 @@ def load_backbone(source: str, read_state, base: str, model_class: str, special_
     weights = backbone_state(state)
     embed = weights.get("language_model.embed_tokens.weight")
     if embed is None:
-        raise UserError(f"reward checkpoint {file} holds no Qwen-VL language model (language_model.embed_tokens)")
+        raise UserError(f"reward checkpoint {source} holds no Qwen-VL language model (language_model.embed_tokens)")
     if embed.shape[0] < len(tokenizer):
-        raise UserError(f"reward checkpoint {file} has {embed.shape[0]} token embeddings but the tokenizer of "
+        raise UserError(f"reward checkpoint {source} has {embed.shape[0]} token embeddings but the tokenizer of "
                         f"{base!r} with the reward's tokens has {len(tokenizer)}: wrong base= for this checkpoint")
     config.text_config.vocab_size = embed.shape[0]
     config._attn_implementation = "sdpa"
@@ -242,10 +241,12 @@ def load_backbone(source: str, read_state, base: str, model_class: str, special_
         backbone = getattr(transformers, model_class)(config)
     missing, unexpected = backbone.load_state_dict(weights, strict=False, assign=True)
     if missing or unexpected:
-        raise UserError(f"reward checkpoint {file} does not fit {model_class} of {base!r}: missing "
+        raise UserError(f"reward checkpoint {source} does not fit {model_class} of {base!r}: missing "
                         f"{missing[:3]}, unexpected {unexpected[:3]}")
     backbone = backbone.to(device, dtype).eval().requires_grad_(False)
-    return backbone, tokenizer, image_processor, state
+    # Only the heads stay cached with the backbone (not lm_head, which no reward reads, nor the rest of the state).
+    heads = {k: v for k, v in state.items() if backbone_key(k) is None and not k.startswith("lm_head.")}
+    return backbone, tokenizer, image_processor, heads
 
 
 def chat_text(parts: list[str]) -> str:
