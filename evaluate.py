@@ -7,7 +7,10 @@
 #   python evaluate.py --model flux1 --model-path toy --dataset data/toy --reward toy --eval-num-prompts 36 \
 #       --eval-seeds 4 --eval-num-steps 8
 #   python evaluate.py --run runs/nft-1 runs/grpo-1 --base --output compare.json
+# With --benchmark NAME the model (or runs) is scored on a benchmark's own prompt set instead (BENCHMARKS below):
+#   python evaluate.py --benchmark geneval2 --model flux1 --reward vlm_judge,url=http://127.0.0.1:8000
 import json
+import math
 import os
 from argparse import Namespace
 from contextlib import nullcontext
@@ -18,19 +21,21 @@ from typing import Annotated, Literal
 import torch
 import tyro
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 
 from common.cache import PromptEncoder, cache_texts, condition_inputs, find_cache
 from common.checkpoint import load_full_state_into, load_lora_state_into, newest_complete_checkpoint
 from common.cli import CONDITIONED_MODELS, AttentionBackend, ModelName, TrainArgs, check_finite, cli_one_line
-from common.data import DEFAULT_DATASET, check_conditions, load_prompts
+from common.data import DEFAULT_DATASET, Prompt, check_conditions, load_prompts
 from common.evaluation import evaluate_prompts
 from common.models import ADAPTERS, load_adapter, resolve_model_path
+from common.sampling import sample, sample_generators
 from common.scoring import check_video_rewards
-from common.tracking import format_metrics
+from common.tracking import format_metrics, save_image_grid
 from common.training import EMA, add_lora, trainable_parameters
-from common.utils import UserError, install_user_error_hook, quiet_libraries, resolve_dtype
+from common.utils import UserError, install_user_error_hook, quiet_libraries, resolve_dtype, write_text_atomic
 from rewards import load_run_rewards
-
+from rewards.vlm_judge import VlmJudge
 
 
 @dataclass
@@ -79,6 +84,15 @@ class Args:
     reward_device: Literal["accelerator", "cpu"] = "accelerator"
     attention_backend: AttentionBackend | None = None
     """diffusers' attention kernel for sampling (unset: the run's)"""
+    benchmark: str | None = None
+    """score on a benchmark's prompt set instead of the test split: geneval2 (its atoms asked through the first
+    --reward vlm_judge,url=...; docs/running.md#benchmarks)"""
+    benchmark_prompts: str | None = None
+    """the benchmark's prompt file (unset: its example in data/, e.g. data/geneval2/example.jsonl); it pins the
+    prompts and seeds, so --eval-num-prompts and --eval-seeds do not apply"""
+    benchmark_dir: str = "runs/benchmark"
+    """folder for a benchmark's results: per model NAME-BENCHMARK.json (every sample's scores and the tables),
+    NAME-BENCHMARK.md (the tables) and NAME-BENCHMARK/ (the samples as PNG)"""
 
 
 # With --run, the flags that may differ from the run's own: what is evaluated and where the model is found.
@@ -92,6 +106,10 @@ def check(args: Args) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.benchmark is not None and args.benchmark not in BENCHMARKS:
+        raise UserError(f"unknown --benchmark {args.benchmark!r}; choose from: {', '.join(BENCHMARKS)}")
+    if args.benchmark_prompts is not None and args.benchmark is None:
+        raise UserError("--benchmark-prompts is the prompt file of a --benchmark: give --benchmark too")
     if args.base and not args.run:
         raise UserError("--base scores the model a --run started from: give --run (without it the model given by "
                         "the flags is scored untrained anyway)")
@@ -130,9 +148,10 @@ def settings(args: Args, saved: dict | None) -> Namespace:
     return Namespace(**values)
 
 
-def load_model(s: Namespace, accelerator):
-    """The adapter and prompt encoder for settings `s` (the untrained transformer)."""
-    test = load_prompts(s.dataset, "test")[: s.eval_num_prompts]
+def load_model(s: Namespace, accelerator, test: list | None = None):
+    """The adapter and prompt encoder for settings `s` (the untrained transformer), and the prompts to score: `test`,
+    or the dataset's test split."""
+    test = test if test is not None else load_prompts(s.dataset, "test")[: s.eval_num_prompts]
     check_conditions(test, *ADAPTERS[s.model].condition_images, s.model)
     dtype = resolve_dtype(s.dtype, accelerator.device)
     model_path = resolve_model_path(s.model, s.model_path)
@@ -191,6 +210,162 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ---- benchmarks: a prompt set of their own, pinned seeds, their own scoring ------------------------------------
+
+@dataclass(frozen=True)
+class BenchmarkPrompt:
+    prompt: str
+    category: str
+    atoms: tuple[str, ...]  # geneval2: the yes/no questions, one per atom of the prompt
+    seeds: tuple[int, ...]  # the noise seeds of its samples, pinned by the file
+    source: str             # "file:line", for error messages
+
+
+def load_geneval2(path: Path) -> list[BenchmarkPrompt]:
+    """GenEval2-style JSONL, one prompt a line: {"prompt": str, "category": str, "atoms": [yes/no questions],
+    "seed": int or "seeds": [int, ...]} (data/geneval2/example.jsonl; docs/running.md#benchmarks)."""
+    if not path.is_file():
+        raise UserError(f"--benchmark-prompts {str(path)!r} is not a file")
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{where}: malformed JSON ({err.msg})") from None
+        if not isinstance(item, dict):
+            raise UserError(f"{where}: expected an object with \"prompt\", \"category\", \"atoms\" and \"seed\" or "
+                            f"\"seeds\"")
+        seeds = item.get("seeds", [item["seed"]] if "seed" in item else None)
+        problems = []
+        if not isinstance(item.get("prompt"), str) or not item["prompt"].strip():
+            problems.append("\"prompt\" (a non-empty string)")
+        if not isinstance(item.get("category"), str) or not item["category"].strip():
+            problems.append("\"category\" (a non-empty string)")
+        if not (isinstance(item.get("atoms"), list) and item["atoms"]
+                and all(isinstance(a, str) and a.strip() for a in item["atoms"])):
+            problems.append("\"atoms\" (a non-empty list of yes/no questions)")
+        if not (isinstance(seeds, list) and seeds and all(type(x) is int and x >= 0 for x in seeds)
+                and len(set(seeds)) == len(seeds)):
+            problems.append("\"seed\" or \"seeds\" (distinct non-negative integers)")
+        if problems:
+            raise UserError(f"{where}: needs {', '.join(problems)}")
+        records.append(BenchmarkPrompt(item["prompt"], item["category"].strip(), tuple(item["atoms"]), tuple(seeds),
+                                       where))
+    if not records:
+        raise UserError(f"{path} holds no prompts")
+    return records
+
+
+def score_geneval2(atoms: list[float]) -> dict:
+    """Soft-TIFA (GenEval 2, arXiv:2512.16853) of one sample from its atoms' P(yes): the arithmetic mean (`soft`,
+    the atom-level estimate, Soft-TIFA AM), the geometric mean (`gm`, the prompt-level one, Soft-TIFA GM) and the
+    strict all-atoms check (`strict`: 1 when every atom's P(yes) > 0.5)."""
+    return {"soft": sum(atoms) / len(atoms),
+            "gm": 0.0 if min(atoms) <= 0 else math.exp(sum(math.log(a) for a in atoms) / len(atoms)),
+            "strict": float(all(a > 0.5 for a in atoms))}
+
+
+# name -> (prompt file loader, example file, per-sample score from the atoms' P(yes), metric names)
+BENCHMARKS = {"geneval2": (load_geneval2, Path(__file__).resolve().parent / "data" / "geneval2" / "example.jsonl",
+                           score_geneval2, ("soft", "gm", "strict"))}
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """The mean and its standard error (sample standard deviation / √n; 0 for one value)."""
+    n = len(values)
+    mean = sum(values) / n
+    return mean, (math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else 0.0)
+
+
+def aggregate(prompts: list[dict], metrics) -> dict:
+    """A prompt's score is the mean over its seeds; the aggregate and each category's are means over prompts,
+    ± the standard error over prompts (the unit GenEval2 reports; seeds of one prompt are not independent)."""
+    def table(rows):
+        return {"prompts": len(rows), **{k: v for m in metrics for k, v in
+                                         zip((m, m + "_se"), mean_se([r[m] for r in rows]))}}
+
+    categories = sorted({p["category"] for p in prompts})
+    return {"all": table(prompts), "categories": {c: table([p for p in prompts if p["category"] == c])
+                                                  for c in categories}}
+
+
+def benchmark_table(name: str, benchmark: str, tables: dict, metrics) -> str:
+    lines = [f"{benchmark} of {name}", "", "| category | prompts | " + " | ".join(metrics) + " |",
+             "|---|---|" + "---|" * len(metrics)]
+    for category, row in [*tables["categories"].items(), ("all", tables["all"])]:
+        cells = [f"{row[m]:.4f} ± {row[m + '_se']:.4f}" for m in metrics]
+        lines.append(f"| {category} | {row['prompts']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_benchmark(benchmark: str, name: str, epoch: int, s: Namespace, adapter, encode, judge: VlmJudge,
+                  records: list[BenchmarkPrompt], accelerator, folder: Path, ema=None) -> dict:
+    """Euler-ODE samples of every prompt at its pinned seeds, split over the processes in batches of
+    s.batch_size, each atom asked through `judge`; writes NAME-BENCHMARK.json/.md and the samples under `folder`."""
+    _, _, score_sample, metrics = BENCHMARKS[benchmark]
+    guidance = s.guidance_scale if s.guidance_scale is not None else (
+        s.guidance if s.guidance is not None else adapter.default_guidance_scale)
+    items = [(i, seed) for i, record in enumerate(records) for seed in record.seeds]
+    sigmas, samples_dir = adapter.sigmas(s.eval_num_steps), folder / f"{name}-{benchmark}"
+    adapter.transformer.eval()
+    results = []
+    with ema.applied() if ema is not None else nullcontext(), torch.no_grad(), \
+            accelerator.split_between_processes(items) as mine:
+        for start in range(0, len(mine), s.batch_size):
+            batch = mine[start:start + s.batch_size]
+            cond = encode([Prompt(records[i].prompt) for i, _ in batch])
+            velocity = lambda x, sigma, cond=cond: adapter.velocity(x, sigma, cond, guidance)
+            x0 = sample(velocity, adapter.noise(sample_generators([seed for _, seed in batch], accelerator.device)),
+                        sigmas, "ode")
+            images = adapter.decode(x0).float().cpu()
+            questions = [(row, atom) for row, (i, _) in enumerate(batch) for atom in records[i].atoms]
+            answers = judge.ask(images[[row for row, _ in questions]], [atom for _, atom in questions])
+            for row, (i, seed) in enumerate(batch):
+                atoms = [a for (r, _), a in zip(questions, answers) if r == row]
+                save_image_grid(images[row:row + 1], samples_dir / f"{i:04d}_seed{seed}.png", columns=1)
+                results.append(((i, seed), atoms))
+    by_item = dict(gather_object(results))
+    prompts = []
+    for i, record in enumerate(records):
+        samples = [{"seed": seed, "atoms": by_item[(i, seed)], **score_sample(by_item[(i, seed)])}
+                   for seed in record.seeds]
+        prompts.append({"prompt": record.prompt, "category": record.category, "questions": list(record.atoms),
+                        "samples": samples, **{m: sum(x[m] for x in samples) / len(samples) for m in metrics}})
+    tables = aggregate(prompts, metrics)
+    result = {"name": name, "epoch": epoch, "benchmark": benchmark, "judge": f"{judge.model} at {judge.url}",
+              **{f"{benchmark}_{m}{tail}": tables["all"][m + tail] for m in metrics for tail in ("", "_se")},
+              "tables": tables, "prompts": prompts}
+    if accelerator.is_main_process:
+        text = benchmark_table(name, benchmark, tables, metrics)
+        print(text, flush=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(folder / f"{name}-{benchmark}.md", text + "\n")
+        write_text_atomic(folder / f"{name}-{benchmark}.json", json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def benchmark_judge(rewards, benchmark: str) -> VlmJudge:
+    """The first vlm_judge of `rewards` (main checked that --reward names one)."""
+    judges = [r.score for r in rewards if isinstance(r.score, VlmJudge)]
+    if judges[0].wants_conditions:
+        raise UserError(f"--benchmark {benchmark} judges text-to-image samples: drop conditions=true from its "
+                        f"vlm_judge")
+    return judges[0]
+
+
+def score_or_benchmark(args: Args, name: str, epoch: int, model: tuple, rewards, test, judge, records, accelerator,
+                       ema=None) -> dict:
+    """`score` on the test split, or with --benchmark `run_benchmark` on its prompts; `model`: (settings, adapter,
+    prompt encoder)."""
+    if records is not None:
+        return run_benchmark(args.benchmark, name, epoch, *model, judge, records, accelerator,
+                             Path(args.benchmark_dir), ema)
+    return score(name, epoch, *model, rewards, test, accelerator, Path(args.grid_dir), ema, best_of=args.best_of)
+
+
 def main() -> None:
     install_user_error_hook()
     quiet_libraries()
@@ -201,30 +376,46 @@ def main() -> None:
     grid_dir = Path(args.grid_dir)
     checkpoints = [newest_checkpoint(Path(folder), accelerator.process_index) for folder in args.run]
     jobs = [(Path(folder), c) for folder, c in zip(args.run, checkpoints)] or [(None, None)]
+    records = None
+    if args.benchmark is not None:
+        load_records, example = BENCHMARKS[args.benchmark][:2]
+        records = load_records(Path(args.benchmark_prompts) if args.benchmark_prompts else example)
     results = []
     for k, (folder, checkpoint) in enumerate(jobs):
         saved = checkpoint.meta["args"] if checkpoint is not None else None
         s = settings(args, saved)
         if s.model in CONDITIONED_MODELS and s.condition_size is None and saved is None:
             accelerator.print(f"note: {s.model} resizes condition images as its pipeline does (--condition-size unset)")
+        if records is not None and (s.model in CONDITIONED_MODELS or ADAPTERS[s.model].video):
+            raise UserError(f"--benchmark {args.benchmark} scores text-to-image models; {s.model} "
+                            f"{'makes videos' if ADAPTERS[s.model].video else 'edits images'}")
+        if records is not None and not any(spec.split(",")[0] == "vlm_judge" for spec in s.reward or []):
+            raise UserError(f"--benchmark {args.benchmark} asks its atoms through a VLM judge: give --reward "
+                            f"vlm_judge,url=http://HOST:PORT[,model=NAME] (docs/rewards.md#vlm-judge)")
+        test = [Prompt(r.prompt) for r in records] if records is not None else None
+        adapter, encode, test = load_model(s, accelerator, test)
         rewards = load_run_rewards(s)
         check_video_rewards(rewards, s.model, ADAPTERS[s.model].video)
-        adapter, encode, test = load_model(s, accelerator)
+        judge = benchmark_judge(rewards, args.benchmark) if records is not None else None
+        model, scoring = (s, adapter, encode), (rewards, test, judge, records, accelerator)
         if folder is None or (args.base and k == 0):  # before the checkpoint goes into the same transformer
             name = "base" if folder is None else f"{folder.name}-base"
-            results.append(score(name, -1, s, adapter, encode, rewards, test, accelerator, grid_dir,
-                                 best_of=args.best_of))
+            results.append(score_or_benchmark(args, name, -1, model, *scoring))
         if folder is not None:
             epoch, ema = trained(checkpoint, s, adapter)
-            results.append(score(folder.name, epoch, s, adapter, encode, rewards, test, accelerator, grid_dir, ema,
-                                 best_of=args.best_of))
-        accelerator.print(format_metrics(results[-1], ["name", "epoch", "eval_reward_mean"]))
+            results.append(score_or_benchmark(args, folder.name, epoch, model, *scoring, ema=ema))
+        if records is None:
+            accelerator.print(format_metrics(results[-1], ["name", "epoch", "eval_reward_mean"]))
     if accelerator.is_main_process:
-        print(table(results))
-        print(f"grids: {grid_dir}")
+        if records is None:
+            print(table(results))
+            print(f"grids: {grid_dir}")
+        else:
+            print(f"{args.benchmark} results and samples: {args.benchmark_dir}")
         if args.output:
+            summary = [{k: v for k, v in r.items() if k not in ("tables", "prompts")} for r in results]
             tmp = Path(args.output + ".tmp")
-            tmp.write_text(json.dumps(results, indent=1) + "\n")
+            tmp.write_text(json.dumps(summary, indent=1) + "\n")
             os.replace(tmp, args.output)
 
 

@@ -17,7 +17,8 @@ def evaluate_prompts(adapter, accelerator, encode, rewards: list, prompts: list,
                      step: int = 0, best_of: bool = False) -> dict:
     """Euler-ODE samples of `prompts` × `seeds_per_prompt` fixed seeds with the adapter's transformer as it is now,
     split over the processes in batches of `batch_size`: each pointwise reward's mean (`eval_reward_<name>`, and
-    their weighted sum `eval_reward_mean`), each check of a reward that reports checks (`score.checks(images,
+    their weighted sum `eval_reward_mean`), each named column of a reward that returns them
+    (`eval_reward_<name>_<column>`), each check of a reward that reports checks (`score.checks(images,
     prompts[, conditions])`: `eval_<reward>_<check>`), each with its standard error (`_se`: the sample standard
     deviation over prompts × seeds / √n). With `grid`, the main process writes a captioned grid of each prompt's
     samples (the first 8 seeds; conditioned prompts: their condition image first) and sends it to the trackers at
@@ -37,11 +38,13 @@ def evaluate_prompts(adapter, accelerator, encode, rewards: list, prompts: list,
             images = adapter.decode(x0)
             texts = [prompts[i].prompt for i, _ in batch]
             conditions = [prompts[i].images for i, _ in batch]
+            named = {}
             raw = score_samples(pointwise, images, texts, torch.tensor([prompts[i].key for i, _ in batch]),
-                                conditions=conditions)
+                                conditions=conditions, columns=named)
             checks = {f"{r.name}_{name}": values for r in pointwise if hasattr(r.score, "checks")
                       for name, values in r.score.checks(images, texts, *(
                           [condition_tensors(conditions)] if r.wants_conditions else [])).items()}
+            checks.update({f"reward_{key}": values for key, values in named.items()})
             for row, (i, s) in enumerate(batch):
                 results.append(((i, s), raw[row].tolist(), {k: float(v[row]) for k, v in checks.items()},
                                 images[row].cpu() if grid is not None and s < 8 else None))

@@ -36,8 +36,8 @@ def check_video_rewards(rewards: list[Reward], model: str, makes_video: bool) ->
 
     for reward in rewards:
         if reward.video and not makes_video:
-            raise UserError(f"reward {reward.name!r} judges videos, but --model {model} makes images; use a video "
-                            f"model ({', '.join(VIDEO_MODELS)}) or an image reward")
+            raise UserError(f"reward {reward.name!r} scores video clips, but --model {model} makes images; choose a "
+                            f"video model: {', '.join(VIDEO_MODELS)}")
 
 
 def condition_tensors(paths_per_sample) -> list[list[torch.Tensor]]:
@@ -49,18 +49,25 @@ def condition_tensors(paths_per_sample) -> list[list[torch.Tensor]]:
             for paths in paths_per_sample]
 
 
-def call_reward(reward: Reward, images: torch.Tensor, prompts: list[str], conditions=None) -> torch.Tensor:
+def call_reward(reward: Reward, images: torch.Tensor, prompts: list[str], conditions=None,
+                columns: dict | None = None) -> torch.Tensor:
     """Scores of one call as float64 (B,), off the graph; any failure becomes a one-line UserError naming
     the reward (with where it was raised, since the traceback is not printed). Video (B, F, 3, H, W): every
-    frame index is scored as one batch of images and the scores are averaged over frames, unless the reward is a
-    video reward (`video = True`), which gets the clips whole. `conditions`: each sample's condition images
-    (`condition_tensors`), passed to a reward that wants them."""
-    if reward.video and images.ndim != 5:
-        raise UserError(f"reward {reward.name!r} judges videos (B, F, 3, H, W), but got images of shape "
-                        f"{tuple(images.shape)}")
+    frame index is scored as one batch of images and the scores are averaged over frames, unless the reward takes
+    whole clips (`video`), which then refuses images. `conditions`: each sample's condition images
+    (`condition_tensors`), passed to a reward that wants them. A reward may return a dict: its "score" entry is the
+    score and every other entry a named column of B numbers (e.g. per-dimension scores), written into `columns` as
+    `<reward name>_<key>` (float64 (B,)) when it is given."""
     if images.ndim == 5 and not reward.video:
-        return torch.stack([call_reward(reward, images[:, f], prompts, conditions)
-                            for f in range(images.shape[1])]).mean(0)
+        per_frame = [{} for _ in range(images.shape[1])]
+        scores = torch.stack([call_reward(reward, images[:, f], prompts, conditions, per_frame[f])
+                              for f in range(images.shape[1])]).mean(0)
+        if columns is not None:
+            columns.update({key: torch.stack([frame[key] for frame in per_frame]).mean(0) for key in per_frame[0]})
+        return scores
+    if reward.video and images.ndim != 5:
+        raise UserError(f"reward {reward.name!r} scores whole video clips (B, F, 3, H, W), but got images of shape "
+                        f"{tuple(images.shape)}: use it with a video model")
     count = len(prompts)
     extra = ()
     if reward.wants_conditions:
@@ -78,17 +85,37 @@ def call_reward(reward: Reward, images: torch.Tensor, prompts: list[str], condit
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise UserError(f"reward {reward.name!r} raised {type(error).__name__} at "
                         f"{os.path.basename(frame.filename)}:{frame.lineno}: {message}") from error
+    named = {}
+    if isinstance(values, dict):
+        if "score" not in values:
+            raise UserError(f"reward {reward.name!r} returned a dict without a \"score\" entry (keys: "
+                            f"{', '.join(map(str, values))})")
+        named = {key: value for key, value in values.items() if key != "score"}
+        values = values["score"]
+    scores = _as_scores(reward, values, count, "")
+    for key, value in named.items():
+        if not isinstance(key, str) or not key.isidentifier():
+            raise UserError(f"reward {reward.name!r} returned a column named {key!r}: use letters, digits and '_'")
+        column = _as_scores(reward, value, count, f" in its column {key!r}")
+        if columns is not None:
+            columns[f"{reward.name}_{key}"] = column
+    return scores
+
+
+def _as_scores(reward: Reward, values, count: int, where: str) -> torch.Tensor:
+    """A reward's B numbers as float64 (B,) on the CPU, or a one-line UserError."""
     if isinstance(values, torch.Tensor):
         values = values.detach().to("cpu", torch.float64)
     try:
         values = torch.as_tensor(np.asarray(values, dtype=np.float64))
     except (TypeError, ValueError):
-        raise UserError(f"reward {reward.name!r} returned {type(values).__name__}, not {count} numbers") from None
+        raise UserError(f"reward {reward.name!r} returned {type(values).__name__}{where}, not {count} numbers") \
+            from None
     if values.shape != (count,):
-        raise UserError(f"reward {reward.name!r} returned shape {tuple(values.shape)}, expected ({count},)")
+        raise UserError(f"reward {reward.name!r} returned shape {tuple(values.shape)}{where}, expected ({count},)")
     if not torch.isfinite(values).all():
-        raise UserError(f"reward {reward.name!r} returned NaN or inf for {int((~torch.isfinite(values)).sum())} "
-                        f"of {count} samples")
+        raise UserError(f"reward {reward.name!r} returned NaN or inf{where} for "
+                        f"{int((~torch.isfinite(values)).sum())} of {count} samples")
     return values
 
 
@@ -108,9 +135,10 @@ def _gather_everything(images, prompts, group_ids, accelerator, conditions):
 
 
 def score_samples(rewards: list[Reward], images: torch.Tensor, prompts: list[str], group_ids: torch.Tensor,
-                  accelerator=None, conditions=None) -> torch.Tensor:
+                  accelerator=None, conditions=None, columns: dict | None = None) -> torch.Tensor:
     """Raw scores (batch, num_rewards), float64 on the CPU, for this process's samples. `conditions`: each
     sample's condition image paths (a tuple, empty for text-only prompts), read only for rewards that want them.
+    `columns`: filled with the named columns of rewards that return them (`call_reward`), (batch,) each.
 
     Groupwise rewards need every sample of a group: the samples of all processes are gathered (once), each
     process scores the groups it leads (round-robin over the sorted group ids), and the scores are summed
@@ -120,32 +148,38 @@ def score_samples(rewards: list[Reward], images: torch.Tensor, prompts: list[str
     if len(group_ids) != len(prompts) or len(images) != len(prompts):
         raise ValueError(f"{len(images)} images, {len(prompts)} prompts and {len(group_ids)} group ids differ")
     world = accelerator.num_processes if accelerator is not None else 1
-    columns, everything = [], None
+    scores, everything = [], None
     loaded = condition_tensors(conditions) if conditions is not None and any(r.wants_conditions for r in rewards) \
         else None
     for reward in rewards:
         if not reward.groupwise:
-            columns.append(call_reward(reward, images, prompts, loaded))
+            scores.append(call_reward(reward, images, prompts, loaded, columns))
             continue
         if everything is None:
             everything = (_gather_everything(images, prompts, group_ids, accelerator, conditions) if world > 1
                           else (images.detach().cpu(), list(prompts), group_ids.cpu(), conditions, 0))
         all_images, all_prompts, all_ids, all_conditions, start = everything
-        scores = torch.zeros(len(all_prompts), dtype=torch.float64)
+        column = torch.zeros(len(all_prompts), dtype=torch.float64)
+        named = {}
         for g, gid in enumerate(torch.unique(all_ids).tolist()):
             if world > 1 and g % world != accelerator.process_index:
                 continue
             members = (all_ids == gid).nonzero().flatten()
             group_conditions = (condition_tensors([all_conditions[i] for i in members])
                                 if reward.wants_conditions and all_conditions is not None else None)
-            scores[members] = call_reward(reward, all_images[members], [all_prompts[i] for i in members],
-                                          group_conditions)
-        if world > 1:
+            group_columns = {}
+            column[members] = call_reward(reward, all_images[members], [all_prompts[i] for i in members],
+                                          group_conditions, group_columns)
+            for key, values in group_columns.items():
+                named.setdefault(key, torch.zeros(len(all_prompts), dtype=torch.float64))[members] = values
+        if world > 1:  # a groupwise reward's named columns stay with the process that scored the group
             from accelerate.utils import reduce
 
-            scores = reduce(scores.to(accelerator.device), reduction="sum").cpu()
-        columns.append(scores[start:start + len(prompts)])
-    return torch.stack(columns, dim=1)
+            column = reduce(column.to(accelerator.device), reduction="sum").cpu()
+        elif columns is not None:
+            columns.update({key: values[start:start + len(prompts)] for key, values in named.items()})
+        scores.append(column[start:start + len(prompts)])
+    return torch.stack(scores, dim=1)
 
 
 _LIVE_WORKER_THREADS = weakref.WeakSet()
@@ -213,7 +247,8 @@ class RolloutScoring:
     gathered and scored in `collect` (as `score_samples` does). A reward is called by one thread at a time unless
     its score object says `thread_safe = True` (the remote client, which bounds its own connections). The first
     failure is raised at the next `submit` or in `collect`, which then waits for nothing else: nothing half-scored
-    comes back. `collect` returns only when no worker is left running."""
+    comes back. `collect` returns only when no worker is left running. `columns` then holds the named columns of
+    rewards that return them (`call_reward`): key -> float64 (N,)."""
 
     def __init__(self, rewards: list[Reward], prompts: list[str], group_ids: torch.Tensor, conditions=None,
                  accelerator=None, workers: int = 0):
@@ -224,6 +259,7 @@ class RolloutScoring:
         self.world = accelerator.num_processes if accelerator is not None else 1
         self.images, self.submitted = [], 0
         self.scores = torch.full((len(self.prompts), len(rewards)), float("nan"), dtype=torch.float64)
+        self.columns = {}  # the named columns of rewards that return them (call_reward), filled by `collect`
         self.pending = []  # (future or None, column, rows, call), in submission order
         self.locks = [None if getattr(r.score, "thread_safe", False) else threading.Lock() for r in rewards]
         # A reward that is not thread-safe needs one thread: more would only wait on its lock, and each waiting
@@ -244,8 +280,11 @@ class RolloutScoring:
         reward, lock = self.rewards[column], self.locks[column]
 
         def call():
+            named = {}
             with lock if lock is not None else nullcontext():
-                return call_reward(reward, images, [self.prompts[i] for i in rows], self._conditions(reward, rows))
+                scores = call_reward(reward, images, [self.prompts[i] for i in rows], self._conditions(reward, rows),
+                                     named)
+            return scores, named
 
         self.pending.append((self.workers.submit(call) if self.workers else None, column, rows, call))
 
@@ -295,7 +334,11 @@ class RolloutScoring:
         try:
             self._raise_first_failure(done_only=False)
             for future, column, rows, call in self.pending:
-                self.scores[list(rows), column] = future.result() if future is not None else call()
+                scores, named = future.result() if future is not None else call()
+                self.scores[list(rows), column] = scores
+                for key, values in named.items():
+                    self.columns.setdefault(key, torch.full((len(self.prompts),), float("nan"),
+                                                            dtype=torch.float64))[list(rows)] = values
         except BaseException:
             self.close()
             raise

@@ -62,6 +62,7 @@ class Run:
     local: slice = field(default_factory=lambda: slice(0))  # this process's part of each epoch's M·K samples
     optimizer_steps: int = 0      # taken so far, this run and the ones it resumes
     flops: FlopCounter = field(default_factory=FlopCounter)  # the transformers' work, for tflops and mfu
+    reward_columns: dict = field(default_factory=dict)  # the last score_epoch's named reward columns, all processes
 
     @property
     def device(self) -> torch.device:
@@ -295,7 +296,8 @@ def optimizer_step(run: Run, epoch: int) -> float:
 
 
 def epoch_metrics(run: Run, epoch: int, all_raw: torch.Tensor, stats: dict, timings: dict) -> dict:
-    """The metrics every script logs, in metrics.jsonl's key names: rewards (the epoch, all processes), the mean of
+    """The metrics every script logs, in metrics.jsonl's key names: rewards (the epoch, all processes; with the named
+    columns of rewards that return them, `reward_<name>_<column>_mean/_std`, from score_epoch), the mean of
     each list in `stats` over the micro-steps of all processes (a key no process filled is left out), the learning
     rate, counters and times."""
     accelerator, rewards = run.accelerator, run.rewards
@@ -322,6 +324,10 @@ def epoch_metrics(run: Run, epoch: int, all_raw: torch.Tensor, stats: dict, timi
         "reward_std": float(combined.std(correction=0)),
         **{f"reward_{r.name}_mean": float(all_raw[:, k].mean()) for k, r in enumerate(rewards)},
         **{f"reward_{r.name}_std": float(all_raw[:, k].std(correction=0)) for k, r in enumerate(rewards)},
+        # Named columns of rewards that return them (score_epoch), e.g. reward_videoalign_motion_quality_mean.
+        **{f"reward_{key}_{stat}": value for key, values in run.reward_columns.items()
+           for stat, value in (("mean", float(values.nanmean())),
+                               ("std", float(values[~values.isnan()].std(correction=0))))},
         **means,
         "lr": run.scheduler.get_last_lr()[0],
         "optimizer_steps": run.optimizer_steps,
@@ -445,10 +451,16 @@ def score_epoch(run: Run, scoring: RolloutScoring | torch.Tensor, records: list 
     with their records and group ids), gathered over all processes in draw order: (all raw scores (N, R), all group
     ids (N,)). Group statistics then see every sample of a group, whichever process drew it. Returns only once every
     score is in and no reward thread is left; a reward's failure is raised instead, before anything is trained."""
-    from accelerate.utils import gather
+    from accelerate.utils import gather, gather_object
 
     if isinstance(scoring, torch.Tensor):
         images, scoring = scoring, start_scoring(run, records, group_ids)
         scoring.submit(images)
     raw = scoring.collect()
+    # The rewards' named columns (e.g. VideoAlign's per dimension), gathered the same way for epoch_metrics to log.
+    names = sorted(set().union(*gather_object([sorted(scoring.columns)]))) if run.accelerator.num_processes > 1 \
+        else sorted(scoring.columns)
+    run.reward_columns = {name: gather(scoring.columns.get(name, torch.full((len(raw),), float("nan"),
+                                                                             dtype=torch.float64)).to(run.device)).cpu()
+                          for name in names}
     return gather(raw.to(run.device)).cpu(), gather(scoring.group_ids.to(run.device)).cpu()

@@ -17,16 +17,17 @@ The interface a reward follows (the built-in ones and the user's alike):
 A reward that judges an edit or an image-to-video sample against its input sets `wants_conditions = True` and is
 called as `__call__(images, prompts, conditions)`: conditions[i] is the list of sample i's condition images, each a
 (3, h, w) float tensor in [0, 1] at its file's own size. Every other reward is called as before.
-A video model's samples are (B, F, 3, H, W); a reward sees them frame by frame (its scores averaged over the
-frames) unless it sets `video = True`, and is then called with the whole clips (given an image model it stops
-the run with one line before anything is loaded).
+A reward that judges whole video clips sets `video = True` and receives (B, F, 3, H, W) (others score each frame and
+the scores are averaged); given an image model it stops the run with one line. `__call__` may return a dict: its
+"score" entry (B numbers) is the score, every other entry a named column of B numbers (e.g. per-dimension scores)
+logged as `reward_<name>_<column>_mean/_std` and `eval_reward_<name>_<column>`.
 `__init__` gets `device`/`dtype` only when it names them. A plain function `(images, prompts) -> scores` works
 too (pointwise, no options). Rewards are called under torch.no_grad on detached images; one that raises or
 returns NaN/inf or the wrong number of scores stops the run with an error naming it.
 In training, a pointwise reward is called once per rollout micro-batch, from a worker thread while the next
 micro-batch is denoised (--reward-workers; common/scoring.py), one call at a time unless the score object sets
-`thread_safe = True` (as the remote client does). A reward that draws random numbers should use its own generator:
-draws from torch's global one would interleave with the rollout's.
+`thread_safe = True` (as the remote client and the VLM judge do). A reward that draws random numbers should use
+its own generator: draws from torch's global one would interleave with the rollout's.
 """
 
 import importlib
@@ -39,12 +40,15 @@ import torch
 from common.scoring import Reward, call_reward, condition_tensors, score_samples  # noqa: F401 (re-exported)
 from common.utils import UserError
 from rewards.clip import Aesthetic, ClipScore, PickScore, PickScoreRank
+from rewards.imagereward import ImageReward
 from rewards.jpeg import jpeg_compressibility, jpeg_incompressibility
 from rewards.ocr import OcrReward
+from rewards.qwen_vl import EditReward, HPSv3, VideoAlign
 from rewards.remote import RemoteReward
 from rewards.toy import ToyReward
 from rewards.toy_edit import ToyEditReward
 from rewards.toy_video import ToyVideoReward
+from rewards.vlm_judge import VlmJudge
 
 
 # name -> (factory(device, dtype, **options) -> score callable, groupwise). A score object's own `groupwise`
@@ -55,12 +59,17 @@ REWARDS = {
     "clip": (ClipScore, False),
     "aesthetic": (Aesthetic, False),
     "ocr": (OcrReward, False),
+    "imagereward": (ImageReward, False),
+    "hpsv3": (HPSv3, False),
+    "editreward": (EditReward, False),
+    "videoalign": (VideoAlign, False),
     "jpeg_compressibility": (lambda device, dtype: jpeg_compressibility, False),
     "jpeg_incompressibility": (lambda device, dtype: jpeg_incompressibility, False),
     "remote": (RemoteReward, False),
     "toy": (ToyReward, False),
     "toy_edit": (ToyEditReward, False),
     "toy_video": (ToyVideoReward, False),
+    "vlm_judge": (VlmJudge, False),
 }
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")

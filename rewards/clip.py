@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from common.utils import UserError
+from rewards.weights import load_state
 
 PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
 PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
@@ -144,15 +145,14 @@ def load_aesthetic_head(head: str, filename: str = AESTHETIC_HEAD_FILE) -> torch
         except Exception as error:  # offline, unknown repo or file
             raise UserError(f"cannot load the aesthetic head {head!r}/{filename}: "
                             f"{str(error).splitlines()[0]}") from None
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    state = load_state(path)
+    return laion_mlp({key.removeprefix("layers."): value for key, value in state.items()})
 
-        state = load_file(path)
-    else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    state = {key.removeprefix("layers."): value for key, value in state.items()}
+
+def laion_mlp(state: dict) -> torch.nn.Sequential:
+    """The LAION aesthetic predictor's MLP (also ImageReward's head) loaded from `state`: Linear, Dropout, Linear,
+    Dropout, Linear, Dropout, Linear, Linear (indices 0, 2, 4, 6, 7), widths in→1024→128→64→16→1, no activations."""
     width = state["0.weight"].shape[1]
-    # LAION's layout: Linear, Dropout, Linear, Dropout, Linear, Dropout, Linear, Linear (indices 0,2,4,6,7).
     head_module = torch.nn.Sequential(
         torch.nn.Linear(width, 1024), torch.nn.Dropout(0.2), torch.nn.Linear(1024, 128), torch.nn.Dropout(0.2),
         torch.nn.Linear(128, 64), torch.nn.Dropout(0.1), torch.nn.Linear(64, 16), torch.nn.Linear(16, 1),

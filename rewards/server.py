@@ -28,7 +28,11 @@ DEFAULT_MAX_REQUEST_MB = 512
 
 
 class RewardServer(ThreadingHTTPServer):
+    """A threading HTTP server that tracks its kept-alive connections (closed with it) and reports a dropped
+    connection in one line prefixed by `label`. rewards/vlm_server.py serves through it too."""
+
     requests_served = 0
+    label = "reward server"
 
     def __init__(self, *args, **kwargs):
         self.open_connections, self.connections_lock = set(), threading.Lock()
@@ -46,39 +50,78 @@ class RewardServer(ThreadingHTTPServer):
 
     def handle_error(self, request, client_address):
         # A client that stops reading or writing mid-request (socket timeout, reset): one line, not a traceback.
-        print(f"reward server: dropped the connection from {client_address[0]}:{client_address[1]} "
+        print(f"{self.label}: dropped the connection from {client_address[0]}:{client_address[1]} "
               f"({sys.exc_info()[1]!r})", file=sys.stderr, flush=True)
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """HTTP/1.1 keep-alive JSON requests and answers: `_send` an object, `_read_json` a POST body within
+    `max_request_bytes` (set by the subclass, as is `timeout`, the socket's silence limit)."""
+
+    protocol_version = "HTTP/1.1"  # keep-alive: a client's pooled connections carry one request after another
+    max_request_bytes = DEFAULT_MAX_REQUEST_MB * 2**20
+
+    def setup(self):
+        super().setup()
+        with self.server.connections_lock:
+            self.server.open_connections.add(self.connection)
+
+    def finish(self):
+        with self.server.connections_lock:
+            self.server.open_connections.discard(self.connection)
+        super().finish()
+
+    def _send(self, status: int, payload: dict):
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _read_json(self):
+        """The POST body as parsed JSON, or None when it has been answered already (no or too large a length, a
+        client that hung up, malformed JSON)."""
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            length = -1
+        if length < 0 or length > self.max_request_bytes:
+            self.close_connection = True  # the body is left unread: the connection cannot carry another request
+        if length < 0:
+            return self._send(411, {"error": f"POST {self.path} needs a Content-Length header (the body's bytes)"})
+        if length > self.max_request_bytes:  # answered without reading the body; the connection then closes
+            return self._send(413, {"error": f"request body of {length} bytes exceeds this server's limit of "
+                                             f"{self.max_request_bytes} (--max-request-mb); send fewer images per "
+                                             f"request"})
+        data = self.rfile.read(length)  # a client silent for `timeout` seconds raises TimeoutError: dropped
+        if len(data) < length:  # the client hung up mid-body: nobody to answer
+            self.close_connection = True
+            return None
+        try:
+            return json.loads(data)
+        except ValueError as error:
+            return self._send(400, {"error": f"malformed request: {error}"})
+
+    def log_message(self, format, *args):  # keep the console for errors
+        pass
+
+    def log_error(self, format, *args):  # a timed-out or malformed request: one line on the console
+        print(f"{self.server.label}: {self.client_address[0]}:{self.client_address[1]}: {format % args}",
+              file=sys.stderr, flush=True)
 
 
 def make_server(reward, host: str = "127.0.0.1", port: int = 0, timeout: float = DEFAULT_TIMEOUT,
                 max_request_bytes: int = DEFAULT_MAX_REQUEST_MB * 2**20, concurrency: int = 1) -> RewardServer:
     """An HTTP server around a loaded Reward: requests are read concurrently and scored `concurrency` at a time; a
     connection silent for `timeout` seconds is dropped, a body over `max_request_bytes` refused (413) unread."""
-    score_slots, socket_timeout = threading.BoundedSemaphore(concurrency), timeout
+    score_slots, socket_timeout, limit = threading.BoundedSemaphore(concurrency), timeout, max_request_bytes
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(JsonHandler):
         timeout = socket_timeout  # set on the socket by StreamRequestHandler: bounds each read and write, not scoring
-        protocol_version = "HTTP/1.1"  # keep-alive: a client's pooled connections carry one request after another
-
-        def setup(self):
-            super().setup()
-            with self.server.connections_lock:
-                self.server.open_connections.add(self.connection)
-
-        def finish(self):
-            with self.server.connections_lock:
-                self.server.open_connections.discard(self.connection)
-            super().finish()
-
-        def _send(self, status: int, payload: dict):
-            body = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(body)
+        max_request_bytes = limit
 
         def do_GET(self):
             if self.path != "/info":
@@ -89,24 +132,9 @@ def make_server(reward, host: str = "127.0.0.1", port: int = 0, timeout: float =
         def do_POST(self):
             if self.path != "/score":
                 return self._send(404, {"error": f"unknown route {self.path}; use GET /info or POST /score"})
-            try:
-                length = int(self.headers.get("Content-Length", ""))
-            except ValueError:
-                length = -1
-            if length < 0 or length > max_request_bytes:
-                self.close_connection = True  # the body is left unread: the connection cannot carry another request
-            if length < 0:
-                return self._send(411, {"error": "POST /score needs a Content-Length header (the body's bytes)"})
-            if length > max_request_bytes:  # answered without reading the body; the connection then closes
-                return self._send(413, {"error": f"request body of {length} bytes exceeds this server's limit of "
-                                                 f"{max_request_bytes} (--max-request-mb); send fewer images per "
-                                                 f"request"})
-            data = self.rfile.read(length)  # a client silent for `timeout` seconds raises TimeoutError: dropped
-            if len(data) < length:  # the client hung up mid-body: nobody to answer
-                self.close_connection = True
+            if (request := self._read_json()) is None:
                 return
             try:
-                request = json.loads(data)
                 images, prompts = decode_images(request["images"]), list(request["prompts"])
                 conditions = None
                 if "conditions" in request:  # each sample's condition images, as (3, h, w) tensors
@@ -121,13 +149,6 @@ def make_server(reward, host: str = "127.0.0.1", port: int = 0, timeout: float =
             except Exception as error:  # reported to the client, which stops its run with this message
                 return self._send(500, {"error": str(error)})
             self._send(200, {"scores": scores.tolist()})
-
-        def log_message(self, format, *args):  # keep the console for errors
-            pass
-
-        def log_error(self, format, *args):  # a timed-out or malformed request: one line on the console
-            print(f"reward server: {self.client_address[0]}:{self.client_address[1]}: {format % args}",
-                  file=sys.stderr, flush=True)
 
     return RewardServer((host, port), Handler)
 

@@ -6,6 +6,7 @@ groupwise rewards over two processes."""
 import gc
 import io
 import json
+import os
 
 import numpy as np
 import pytest
@@ -217,6 +218,34 @@ def prompt_length(images, prompts):
     return [len(p) for p in prompts]
 
 
+class Halves:
+    """Named columns: the mean pixel of the left and right halves; the score is their sum."""
+
+    def __call__(self, images, prompts):
+        half = images.shape[-1] // 2
+        left, right = images[..., :half].mean(dim=(1, 2, 3)), images[..., half:].mean(dim=(1, 2, 3))
+        return {"score": left + right, "left": left, "right": right}
+
+
+class Clip:
+    """A video reward: the mean of the last frame minus the first (needs the whole clip)."""
+
+    video = True
+
+    def __call__(self, images, prompts):
+        return (images[:, -1] - images[:, 0]).mean(dim=(1, 2, 3))
+
+
+class NoScore:
+    def __call__(self, images, prompts):
+        return {"left": [0.0] * len(prompts)}
+
+
+class ShortColumn:
+    def __call__(self, images, prompts):
+        return {"score": [0.0] * len(prompts), "part": [0.0]}
+
+
 class Nan:
     def __call__(self, images, prompts):
         return np.full(len(prompts), np.nan)
@@ -271,6 +300,37 @@ def test_failing_reward_stops_with_its_name(custom_module, attr, message, groupw
     with pytest.raises(UserError) as info:
         score_samples([reward], quantised_images(3), ["a", "b", "c"], torch.zeros(3))
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("attr, message", [
+    ("NoScore", "reward 'NoScore' returned a dict without a \"score\" entry (keys: left)"),
+    ("ShortColumn", "reward 'ShortColumn' returned shape (1,) in its column 'part', expected (3,)"),
+])
+def test_dict_reward_errors_are_one_line(custom_module, attr, message):
+    (reward,) = load_rewards([f"my_rewards_mod:{attr}"])
+    with pytest.raises(UserError) as info:
+        score_samples([reward], quantised_images(3), ["a", "b", "c"], torch.zeros(3))
+    assert str(info.value) == message
+
+
+def test_named_columns_and_whole_clips(custom_module):
+    """Named columns come back per sample (averaged over frames, like the score, for a frame-wise reward on video);
+    a video reward gets the whole clip and refuses images."""
+    halves, clip = load_rewards(["my_rewards_mod:Halves,name=halves", "my_rewards_mod:Clip"])
+    assert (halves.video, clip.video) == (False, True)
+    video = torch.rand(4, 3, 3, 8, 10, generator=torch.Generator().manual_seed(0)).double()
+    columns = {}
+    raw = score_samples([halves, clip], video, list("abcd"), torch.zeros(4), columns=columns).numpy()
+    pixels = video.numpy()
+    left, right = pixels[..., :5].mean(axis=(2, 3, 4)).mean(1), pixels[..., 5:].mean(axis=(2, 3, 4)).mean(1)
+    np.testing.assert_allclose(columns["halves_left"], left, rtol=1e-12)
+    np.testing.assert_allclose(columns["halves_right"], right, rtol=1e-12)
+    np.testing.assert_allclose(raw[:, 0], left + right, rtol=1e-12)
+    np.testing.assert_allclose(raw[:, 1], (pixels[:, -1] - pixels[:, 0]).mean(axis=(1, 2, 3)), rtol=1e-12)
+    assert sorted(columns) == ["halves_left", "halves_right"]
+    with pytest.raises(UserError, match="^reward 'Clip' scores whole video clips .*, but got images of shape "
+                                        r"\(4, 3, 8, 10\): use it with a video model$"):
+        score_samples([clip], video[:, 0], list("abcd"), torch.zeros(4))
 
 
 def numpy_advantages(raw, weights, ids, aggregation, clip=5.0):
@@ -331,14 +391,24 @@ def test_groupwise_rewards_over_two_processes(clip_dir, tmp_path):
 
 def test_grpo_with_several_rewards_and_a_custom_one(tiny_flux_path, clip_dir, custom_module, tmp_path):
     out = tmp_path / "run"
-    run_script("algos/grpo.py", "--preset", "tiny", "--epochs", "1", "--eval-every", "0", "--output-dir", out,
+    run_script("algos/grpo.py", "--preset", "tiny", "--epochs", "1", "--eval-every", "1", "--eval-num-prompts", "1",
+               "--eval-seeds", "2", "--output-dir", out,
                "--advantage-aggregation", "gdpo", "--reward", f"pickscore,path={clip_dir}",
                "--reward", f"pickscore_rank:0.5,path={clip_dir}", "--reward", "my_rewards_mod:Brightness:2,name=bright",
-               env={"PYTHONPATH": str(custom_module)})
-    (metrics,) = read_metrics(out)
-    for name in ["pickscore", "pickscore_rank", "bright"]:
+               "--reward", "my_rewards_mod:Halves:0.1,name=halves",
+               env={"PYTHONPATH": os.pathsep.join([str(custom_module), os.environ.get("PYTHONPATH", "")])})
+    base, metrics = read_metrics(out, base=True)
+    for name in ["pickscore", "pickscore_rank", "bright", "halves"]:
         assert np.isfinite(metrics[f"reward_{name}_mean"]) and metrics[f"reward_{name}_std"] > 0
     assert metrics["reward_pickscore_rank_mean"] == pytest.approx(3.5 / 8)  # ranks 0..7 of K = 8, over K
+    # A reward's named columns are logged beside it (training and evaluation); here they sum to its score.
+    assert metrics["reward_halves_left_mean"] + metrics["reward_halves_right_mean"] == pytest.approx(
+        metrics["reward_halves_mean"], rel=1e-6)  # float32 halves
+    assert metrics["reward_halves_left_std"] > 0
+    for record in (base, metrics):
+        assert record["eval_reward_halves_left"] + record["eval_reward_halves_right"] == pytest.approx(
+            record["eval_reward_halves"], rel=1e-6)
+        assert "eval_reward_halves_left_se" in record
 
 
 def test_reward_error_in_a_script_is_one_line(tiny_flux_path, custom_module, tmp_path):

@@ -24,7 +24,8 @@ SCRIPTS = ["awm", "crd", "dgpo", "dpo", "dppo", "grpo", "grpo_guard", "mixgrpo",
 # 8 samples in micro-batches of 4 at 32 px; a groupwise reward beside a pointwise one
 SMALL = ["--preset", "tiny", "--epochs", "2", "--eval-every", "0", "--prompts-per-epoch", "2", "--group-size", "4",
          "--batch-size", "4", "--resolution", "32", "--max-sequence-length", "16",
-         "--reward", "jpeg_compressibility", "--reward", "overlap_rewards:GroupContrast"]
+         "--reward", "jpeg_compressibility", "--reward", "overlap_rewards:GroupContrast",
+         "--reward", "overlap_rewards:Channels:0.5"]
 TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflops", "mfu", "peak_memory_gb"}
 ENV = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
 
@@ -88,13 +89,21 @@ def test_the_remote_client_sends_micro_batches_concurrently_on_kept_connections(
             # four requests of 0.4 s in flight together: well under the 1.6 s one at a time; every answer its own
             assert elapsed < 1.2, elapsed
             assert torch.equal(got[:, 0], decode_images(encode_images(images)).double().flatten(1).mean(1))
-        assert 1 <= len(remote.score.idle) <= 4 and server.requests_served == 8
+        assert 1 <= len(remote.score.client.idle) <= 4 and server.requests_served == 8
     finally:
         server.shutdown()
         server.server_close()
 
 
 # ---- the scripts: --reward-workers 0 and the default give the same run ------------------------------------------
+
+def assert_channel_columns(metrics):
+    """Channels' named columns are logged and their mean is its score's mean (all samples of the epoch)."""
+    for m in metrics:
+        assert (m["reward_Channels_red_mean"] + m["reward_Channels_blue_mean"]) / 2 == pytest.approx(
+            m["reward_Channels_mean"], rel=1e-12)
+        assert m["reward_Channels_red_std"] > 0
+
 
 def same_runs(a, b):
     strip = lambda ms: [{k: v for k, v in m.items() if k not in TIME_KEYS} for m in ms]  # noqa: E731
@@ -109,6 +118,7 @@ def test_every_script_scores_the_same_with_and_without_workers(script, tmp_path,
     run_script(f"algos/{script}.py", *SMALL, *STEPS[script], "--reward-workers", "0", "--output-dir", serial, env=ENV)
     run_script(f"algos/{script}.py", *SMALL, *STEPS[script], "--output-dir", overlapped, env=ENV)  # workers on
     assert read_metrics(serial)[0]["reward_GroupContrast_std"] > 0
+    assert_channel_columns(read_metrics(serial))
     same_runs(serial, overlapped)
 
 
@@ -120,6 +130,7 @@ def test_two_processes_score_the_same_with_and_without_workers(script, tmp_path,
                launcher=ACCELERATE_2CPU)
     run_script(f"algos/{script}.py", *SMALL, "--output-dir", overlapped, env=ENV, launcher=ACCELERATE_2CPU)
     assert [m["num_processes"] for m in read_metrics(overlapped)] == [2, 2]
+    assert_channel_columns(read_metrics(overlapped))  # gathered from both processes
     same_runs(serial, overlapped)
 
 
