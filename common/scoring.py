@@ -94,16 +94,17 @@ def call_reward(reward: Reward, images: torch.Tensor, prompts: list[str], condit
 
 def _gather_everything(images, prompts, group_ids, accelerator, conditions):
     """All processes' samples (in rank order) and where this process's start; counts may differ by rank."""
-    from accelerate.utils import gather, gather_object, pad_across_processes
+    from common.parallel import gather_objects
 
-    counts = gather_object([len(prompts)])
+    counts = gather_objects(accelerator, [len(prompts)])
     # Collectives need device tensors (NCCL) of one size on every rank: pad, gather, then drop the padding.
-    padded_images = pad_across_processes(images.detach().to(accelerator.device).contiguous(), dim=0)
-    padded_ids = pad_across_processes(group_ids.to(accelerator.device), dim=0)
-    all_images, all_ids, size = gather(padded_images).cpu(), gather(padded_ids).cpu(), max(counts)
+    padded_images = accelerator.pad_across_processes(images.detach().to(accelerator.device).contiguous(), dim=0)
+    padded_ids = accelerator.pad_across_processes(group_ids.to(accelerator.device), dim=0)
+    all_images, all_ids = accelerator.gather(padded_images).cpu(), accelerator.gather(padded_ids).cpu()
+    size = max(counts)
     keep = torch.cat([torch.arange(r * size, r * size + c) for r, c in enumerate(counts)])
-    all_prompts = gather_object(list(prompts))
-    all_conditions = gather_object(list(conditions)) if conditions is not None else None
+    all_prompts = gather_objects(accelerator, list(prompts))
+    all_conditions = gather_objects(accelerator, list(conditions)) if conditions is not None else None
     return all_images[keep], all_prompts, all_ids[keep], all_conditions, sum(counts[:accelerator.process_index])
 
 
@@ -114,7 +115,8 @@ def score_samples(rewards: list[Reward], images: torch.Tensor, prompts: list[str
 
     Groupwise rewards need every sample of a group: the samples of all processes are gathered (once), each
     process scores the groups it leads (round-robin over the sorted group ids), and the scores are summed
-    back across processes. All processes must call this together when any reward is groupwise.
+    back across processes. All processes must call this together when any reward is groupwise. `accelerator`: an
+    Accelerator, or a common.parallel.DataParallel (its data-parallel ranks are the processes here).
     """
     group_ids = torch.as_tensor(group_ids)
     if len(group_ids) != len(prompts) or len(images) != len(prompts):
@@ -141,9 +143,7 @@ def score_samples(rewards: list[Reward], images: torch.Tensor, prompts: list[str
             scores[members] = call_reward(reward, all_images[members], [all_prompts[i] for i in members],
                                           group_conditions)
         if world > 1:
-            from accelerate.utils import reduce
-
-            scores = reduce(scores.to(accelerator.device), reduction="sum").cpu()
+            scores = accelerator.reduce(scores.to(accelerator.device), "sum").cpu()
         columns.append(scores[start:start + len(prompts)])
     return torch.stack(columns, dim=1)
 
