@@ -15,6 +15,7 @@ if __name__ == "__main__":
     from accelerate import Accelerator
 
     from common.dynamics import sde_step
+    from common.flops import FlopCounter
     from common.models import load_adapter
     from common.parallel import device_mesh, enable_sequence_parallel
     from common.sampling import sample_generators
@@ -45,13 +46,17 @@ if __name__ == "__main__":
     x_next = x - 0.3 * torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
     weight = torch.tensor([0.7, -1.3])
     results = {}
+    flops = {}
     for adapter, name in zip(adapters, ("unsplit", "split")):
+        counter = FlopCounter()
+        counter.attach(accelerator.unwrap_model(adapter.transformer))
         v = adapter.velocity(x, sigma, cond, 1.0)
         _, log_prob, _, _ = sde_step("flow-sde", v, x, sigma, sigma_next, 0.8, prev_sample=x_next)
         accelerator.backward((weight * log_prob).sum()) if name == "split" else (weight * log_prob).sum().backward()
         module = accelerator.unwrap_model(adapter.transformer)
         grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if "lora_" in n}
         results[name] = (v.detach(), log_prob.detach(), grads)
+        flops[name] = counter.take()
     (v1, lp1, g1), (v2, lp2, g2) = results["unsplit"], results["split"]
     assert g1.keys() == g2.keys() and g1
     report = {
@@ -60,6 +65,7 @@ if __name__ == "__main__":
         "log_prob": [float((lp2 - lp1).abs().max()), float(lp1.abs().max())],
         "grads": {n: [float((g2[n] - g1[n]).abs().max()), float(g1[n].abs().max())] for n in g1},
         "grad_count": len(g1),
+        "flops": flops,
     }
     reports = [None] * accelerator.num_processes
     torch.distributed.all_gather_object(reports, report)
