@@ -28,12 +28,13 @@ def test_split_step_equals_the_unsplit_one(tmp_path, model):
             difference, scale = report[key]
             assert difference <= 1e-6 * scale, (key, report[key])
         assert report["grad_count"] > 0
-    # tflops: the processes' counts add up to the unsplit model's work, plus what each repeats before the split
-    # and on the time embedding (the tiny models' share of it is large: 5% for FLUX.1, 18% for Wan)
-    unsplit, split = reports[0]["flops"]["unsplit"], sum(r["flops"]["split"] for r in reports)
-    assert unsplit <= split <= 1.25 * unsplit
         for name, (difference, scale) in report["grads"].items():
             assert scale > 0 and difference <= 1e-5 * scale, (name, difference, scale)
+    # tflops: the processes' counts add up to the unsplit model's work, plus what each repeats outside the split
+    # (time embedding and modulations; Wan's patch and text embeddings: the tiny models' share is large, 5% for
+    # FLUX.1 and 18% for Wan)
+    unsplit, split = reports[0]["flops"]["unsplit"], sum(r["flops"]["split"] for r in reports)
+    assert unsplit <= split <= 1.25 * unsplit
 
 
 @SLOW
