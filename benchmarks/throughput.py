@@ -164,7 +164,8 @@ if __name__ == "__main__":
         split = f"grpo --sequence-parallel {args.sequence_parallel}"
         rows[split] = train("grpo", model, root / "grpo-sp", args, "--sequence-parallel", args.sequence_parallel,
                             processes=args.sequence_parallel)
-        print(f"{split}: {rows[split].get('error') or 'done in %.0f s' % rows[split]['wall_s']}", flush=True)
+        outcome = rows[split].get("error") or f"done in {rows[split]['wall_s']:.0f} s"
+        print(f"{split}: {outcome}", flush=True)
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"\n{device}; FLUX.1 at {args.size} widths with {args.double_layers} + {args.single_layers} blocks "

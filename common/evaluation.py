@@ -5,6 +5,7 @@ batches and ODE give the same numbers."""
 from pathlib import Path
 
 import torch
+
 from common.parallel import gather_objects
 from common.sampling import sample, sample_generators
 from common.scoring import condition_tensors, score_samples

@@ -6,7 +6,14 @@ import json
 
 import pytest
 import torch
-from conftest import ACCELERATE_2CPU, SLOW, read_metrics, run_script, script_error, slow_except
+from conftest import (
+    ACCELERATE_2CPU,
+    SLOW,
+    read_metrics,
+    run_script,
+    script_error,
+    slow_except,
+)
 
 SKIP = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflops", "mfu", "peak_memory_gb",
         "num_processes"}  # measured, or the launch's size
@@ -94,9 +101,9 @@ def test_a_sequence_length_the_degree_does_not_divide_is_refused():
     transformer = FluxTransformer2DModel.from_pretrained(tiny_model_path("flux1") / "transformer")
     _add_split_checks(transformer, transformer._cp_plan, 2)
     config = transformer.config
-    inputs = dict(hidden_states=torch.zeros(1, 16, config.in_channels), timestep=torch.ones(1),
-                  guidance=torch.ones(1), pooled_projections=torch.zeros(1, config.pooled_projection_dim),
-                  img_ids=torch.zeros(16, 3), return_dict=False)
+    inputs = {"hidden_states": torch.zeros(1, 16, config.in_channels), "timestep": torch.ones(1),
+              "guidance": torch.ones(1), "pooled_projections": torch.zeros(1, config.pooled_projection_dim),
+              "img_ids": torch.zeros(16, 3), "return_dict": False}
     transformer(encoder_hidden_states=torch.zeros(1, 32, config.joint_attention_dim), txt_ids=torch.zeros(32, 3),
                 **inputs)  # 16 image and 32 text tokens split
     with pytest.raises(UserError, match="--sequence-parallel 2 does not divide the sequence length 31 of "
