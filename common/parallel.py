@@ -49,11 +49,12 @@ def check_world(degree: int, world: int) -> None:
 
 def planned_transformers(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformers inside `module` that carry a plan, outermost only (Wan2.2's two experts, or the module)."""
-    found = []
+    found = {}
     for name, sub in module.named_modules():
-        if getattr(sub, "_cp_plan", None) is not None and not any(name.startswith(f"{f}.") or f == "" for f, _ in found):
-            found.append((name, sub))
-    return [sub for _, sub in found]
+        inside = any(outer == "" or name.startswith(f"{outer}.") for outer in found)
+        if getattr(sub, "_cp_plan", None) is not None and not inside:
+            found[name] = sub
+    return list(found.values())
 
 
 class _ScaleGradient(torch.autograd.Function):
