@@ -149,6 +149,11 @@ class TrainArgs:
     """threads that score each rollout micro-batch while the next is denoised (a reward server's requests overlap up
     to its client's connections=); 0: score the whole epoch after the rollout. The scores are the same either way"""
 
+    sequence_parallel: int = 1
+    """N > 1: Ulysses sequence parallelism; N processes run each transformer call together, each on 1/N of the tokens
+    (diffusers' plan: flux1, flux2, qwen-image, wan and their variants), and share their samples; the launch's
+    processes form world / N data-parallel groups (docs/distributed.md)"""
+
     peak_tflops: float | None = None
     """the accelerator's peak TFLOP/s per process, the denominator of `mfu` in metrics.jsonl (unset: the dense bf16
     peak of a known GPU, common.flops.PEAK_TFLOPS; on a CPU or an unknown GPU mfu is left out)"""
@@ -263,8 +268,15 @@ _AT_LEAST = [("epochs", 1, ""), ("prompts_per_epoch", 1, ""), ("group_size", 2, 
              "its group)"), ("batch_size", 1, ""), ("updates_per_epoch", 1, ""), ("num_steps", 2, ""),
              ("lr_warmup_steps", 0, ""), ("lora_rank", 1, ""), ("max_sequence_length", 1, ""), ("resolution", 1, ""),
              ("eval_every", 0, ""), ("eval_num_prompts", 1, ""), ("eval_seeds", 1, ""), ("save_every", 0, ""),
-             ("keep_checkpoints", 1, ""), ("weight_decay", 0, ""), ("reward_workers", 0, "")]
+             ("keep_checkpoints", 1, ""), ("weight_decay", 0, ""), ("reward_workers", 0, ""),
+             ("sequence_parallel", 1, "")]
 _POSITIVE = ["lora_alpha", "max_grad_norm", "adv_clip_max"]
+
+
+def launched_data_ranks(args) -> int:
+    """The data-parallel ranks of this launch, read before setup from the launchers' process count (WORLD_SIZE):
+    world / --sequence-parallel (setup refuses a degree that does not divide the world)."""
+    return max(1, int(os.environ.get("WORLD_SIZE", "1")) // args.sequence_parallel)
 
 
 def check_args(args) -> None:
@@ -276,8 +288,8 @@ def check_args(args) -> None:
     for name in _POSITIVE:
         if not getattr(args, name) > 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    # Early, with the launchers' process count (WORLD_SIZE); rollout_micro_batches checks it again after setup.
-    local = args.prompts_per_epoch * args.group_size // int(os.environ.get("WORLD_SIZE", "1"))
+    # Early, with the launchers' process count; rollout_micro_batches checks it again after setup.
+    local = args.prompts_per_epoch * args.group_size // launched_data_ranks(args)
     check_updates_per_epoch(args.updates_per_epoch, local)
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         raise UserError(f"--peak-tflops must be positive, got {args.peak_tflops}")

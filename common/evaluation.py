@@ -5,8 +5,8 @@ batches and ODE give the same numbers."""
 from pathlib import Path
 
 import torch
-from accelerate.utils import gather_object
 
+from common.parallel import gather_objects
 from common.sampling import sample, sample_generators
 from common.scoring import condition_tensors, score_samples
 from common.tracking import log_image, save_image_grid
@@ -16,7 +16,8 @@ def evaluate_prompts(adapter, accelerator, encode, rewards: list, prompts: list,
                      num_steps: int, batch_size: int, guidance: float, grid: Path | None = None,
                      step: int = 0, best_of: bool = False) -> dict:
     """Euler-ODE samples of `prompts` × `seeds_per_prompt` fixed seeds with the adapter's transformer as it is now,
-    split over the processes in batches of `batch_size`: each pointwise reward's mean (`eval_reward_<name>`, and
+    split over the processes (`accelerator`: an Accelerator, or a common.parallel.DataParallel whose data-parallel
+    ranks split them) in batches of `batch_size`: each pointwise reward's mean (`eval_reward_<name>`, and
     their weighted sum `eval_reward_mean`), each named column of a reward that returns them
     (`eval_reward_<name>_<column>`), each check of a reward that reports checks (`score.checks(images,
     prompts[, conditions])`: `eval_<reward>_<check>`), each with its standard error (`_se`: the sample standard
@@ -48,7 +49,7 @@ def evaluate_prompts(adapter, accelerator, encode, rewards: list, prompts: list,
             for row, (i, s) in enumerate(batch):
                 results.append(((i, s), raw[row].tolist(), {k: float(v[row]) for k, v in checks.items()},
                                 images[row].cpu() if grid is not None and s < 8 else None))
-    results = sorted(gather_object(results), key=lambda item: item[0])
+    results = sorted(gather_objects(accelerator, results), key=lambda item: item[0])
     raw = torch.tensor([r[1] for r in results], dtype=torch.float64)
     weights = torch.tensor([r.weight for r in pointwise], dtype=torch.float64)
     columns = {"reward_mean": raw @ weights, **{f"reward_{r.name}": raw[:, k] for k, r in enumerate(pointwise)},

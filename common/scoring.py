@@ -121,16 +121,17 @@ def _as_scores(reward: Reward, values, count: int, where: str) -> torch.Tensor:
 
 def _gather_everything(images, prompts, group_ids, accelerator, conditions):
     """All processes' samples (in rank order) and where this process's start; counts may differ by rank."""
-    from accelerate.utils import gather, gather_object, pad_across_processes
+    from common.parallel import gather_objects
 
-    counts = gather_object([len(prompts)])
+    counts = gather_objects(accelerator, [len(prompts)])
     # Collectives need device tensors (NCCL) of one size on every rank: pad, gather, then drop the padding.
-    padded_images = pad_across_processes(images.detach().to(accelerator.device).contiguous(), dim=0)
-    padded_ids = pad_across_processes(group_ids.to(accelerator.device), dim=0)
-    all_images, all_ids, size = gather(padded_images).cpu(), gather(padded_ids).cpu(), max(counts)
+    padded_images = accelerator.pad_across_processes(images.detach().to(accelerator.device).contiguous(), dim=0)
+    padded_ids = accelerator.pad_across_processes(group_ids.to(accelerator.device), dim=0)
+    all_images, all_ids = accelerator.gather(padded_images).cpu(), accelerator.gather(padded_ids).cpu()
+    size = max(counts)
     keep = torch.cat([torch.arange(r * size, r * size + c) for r, c in enumerate(counts)])
-    all_prompts = gather_object(list(prompts))
-    all_conditions = gather_object(list(conditions)) if conditions is not None else None
+    all_prompts = gather_objects(accelerator, list(prompts))
+    all_conditions = gather_objects(accelerator, list(conditions)) if conditions is not None else None
     return all_images[keep], all_prompts, all_ids[keep], all_conditions, sum(counts[:accelerator.process_index])
 
 
@@ -142,7 +143,8 @@ def score_samples(rewards: list[Reward], images: torch.Tensor, prompts: list[str
 
     Groupwise rewards need every sample of a group: the samples of all processes are gathered (once), each
     process scores the groups it leads (round-robin over the sorted group ids), and the scores are summed
-    back across processes. All processes must call this together when any reward is groupwise.
+    back across processes. All processes must call this together when any reward is groupwise. `accelerator`: an
+    Accelerator, or a common.parallel.DataParallel (its data-parallel ranks are the processes here).
     """
     group_ids = torch.as_tensor(group_ids)
     if len(group_ids) != len(prompts) or len(images) != len(prompts):
@@ -173,9 +175,7 @@ def score_samples(rewards: list[Reward], images: torch.Tensor, prompts: list[str
             for key, values in group_columns.items():
                 named.setdefault(key, torch.zeros(len(all_prompts), dtype=torch.float64))[members] = values
         if world > 1:  # a groupwise reward's named columns stay with the process that scored the group
-            from accelerate.utils import reduce
-
-            column = reduce(column.to(accelerator.device), reduction="sum").cpu()
+            column = accelerator.reduce(column.to(accelerator.device), "sum").cpu()
         elif columns is not None:
             columns.update({key: values[start:start + len(prompts)] for key, values in named.items()})
         scores.append(column[start:start + len(prompts)])

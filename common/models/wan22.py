@@ -9,6 +9,7 @@ import torch
 
 from common.checkpoint import LORA_FILE_2
 from common.models.wan import WanAdapter
+from common.parallel import sequence_parallel_degree
 from common.utils import UserError
 
 EXPERTS = ("transformer", "transformer_2")  # high noise, low noise: WanPipeline's component names
@@ -78,6 +79,8 @@ class WanExperts(torch.nn.Module):
                 # same zero gradients): contribute nothing.
                 patch = expert.config.patch_size
                 token = hidden_states[:1, :, :patch[0], :patch[1], :patch[2]]
+                if sequence_parallel_degree(expert) > 1:  # a whole sample, which splits as the real ones do
+                    token = hidden_states[:1]
                 idle.append(expert(hidden_states=token, timestep=timestep[:1],
                                    encoder_hidden_states=encoder_hidden_states[:1, :1], return_dict=False,
                                    **kwargs)[0].sum())
