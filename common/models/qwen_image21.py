@@ -41,7 +41,9 @@ class QwenImage21Adapter(QwenImageEditAdapter):
     display_name = "Qwen-Image-2.1"
     default_guidance_scale = 1.0  # the model card's and the pipeline's default: no CFG
     condition_images = (0, None)  # text-to-image rows have none
-    text_components = ("text_encoder", "processor")  # the tokenizer lives in the processor
+    # The processor (the tokenizer is inside it) is loaded even when training from the cache: the pipeline's
+    # constructor reads its chat template. It is small (no weights) and the cache fingerprint covers it.
+    text_components = ("text_encoder",)
     # Every linear layer of the single-stream blocks: attention and the SwiGLU feed-forward.
     lora_target_modules = ["to_q", "to_k", "to_v", "to_out.0", "img_mlp.proj", "img_mlp.gate_layer", "img_mlp.out"]
 
@@ -53,7 +55,7 @@ class QwenImage21Adapter(QwenImageEditAdapter):
                          condition_size)
 
     def _sequence_tokenizer(self):
-        return self.pipe.processor.tokenizer if self.pipe.processor is not None else None
+        return self.pipe.processor.tokenizer if self.text_encoders else None
 
     def _sizes(self, width: int, height: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """((height, width) of the VAE input, the same for the text encoder) for an image of this size."""
@@ -76,7 +78,7 @@ class QwenImage21Adapter(QwenImageEditAdapter):
 
     def check_condition_shapes(self, records) -> None:
         super().check_condition_shapes(records)
-        if self.pipe.processor is not None:
+        if self.text_encoders:  # else a cache holds the encodings already
             from PIL import Image
 
             for path in {path for record in records for path in record.images}:

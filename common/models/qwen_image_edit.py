@@ -65,7 +65,8 @@ class QwenImageEditAdapter(QwenImageAdapter):
     def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
                  max_sequence_length: int = 512, load_text_encoders: bool = True, text_only: bool = False,
                  condition_size: int | None = None):
-        if load_text_encoders and processor_needs_torchvision(model_path):
+        loads_processor = load_text_encoders or "processor" not in self.text_components
+        if loads_processor and processor_needs_torchvision(model_path):
             raise UserError(f"{self.display_name}'s prompt encoding needs torchvision: this transformers builds "
                             f"its VL processor only with it (for a video half editing never uses); pip install "
                             f"torchvision, or train from an embedding cache made where it is installed")
@@ -110,7 +111,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
         first = None
         for record in records:
             tokens = []
-            if self.pipe.processor is not None:  # else a cache holds the embeddings already
+            if self.text_encoders:  # else a cache holds the embeddings already
                 for path in record.images:
                     with Image.open(path) as image:
                         tokens.append(self._vision_tokens(*image.size))
