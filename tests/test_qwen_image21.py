@@ -23,7 +23,7 @@ from common.models import load_adapter
 from common.sampling import sample_generators
 from common.training import add_lora
 from common.utils import UserError
-from conftest import ACCELERATE_2CPU, SLOW, ode_sample, read_metrics, run_script, sde_trajectory
+from conftest import ACCELERATE_2CPU, SLOW, ode_sample, read_metrics, run_script, sde_trajectory, slow_except
 
 RESOLUTION, GUIDANCE, SIZE = 64, 4.0, 32  # SIZE: --condition-size (one vision token, 2×2 latent tokens per image)
 # Texts of different lengths and negative prompts of other lengths again, so the per-length batches matter.
@@ -181,6 +181,7 @@ def test_tiny_processor_is_qwen3vl_processors_image_half(path, monkeypatch):
         f"<|im_start|>system\n{pipe.sys_prompt}<|im_end|>\n"
 
 
+@SLOW
 def test_saved_lora_loads_into_the_pipeline_and_reproduces_our_model(path, edits, tmp_path):
     """LoRA with α ≠ r on the adapter's default targets, lora_B perturbed: the stock pipeline that loads the saved
     file generates what our rollout generates, in both modes, and differs from the base."""
@@ -200,7 +201,7 @@ def test_saved_lora_loads_into_the_pipeline_and_reproduces_our_model(path, edits
     assert (theirs - base).flatten(1).abs().max(dim=1).values.min() > 0.01
 
 
-@pytest.mark.parametrize("mode", ["text", "edit"])
+@pytest.mark.parametrize("mode", slow_except(["text", "edit"], "edit"))
 def test_cache_is_online_bitwise_and_training_needs_no_text_side(path, adapter, edits, tmp_path, mode):
     from accelerate import Accelerator
 
