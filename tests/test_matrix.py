@@ -6,7 +6,6 @@ output for a condition image."""
 
 import math
 import runpy
-import sys
 
 import pytest
 

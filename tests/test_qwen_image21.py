@@ -23,7 +23,8 @@ from common.models import load_adapter
 from common.sampling import sample_generators
 from common.training import add_lora
 from common.utils import UserError
-from conftest import ACCELERATE_2CPU, SLOW, ode_sample, read_metrics, run_script, sde_trajectory, slow_except
+from conftest import (ACCELERATE_2CPU, SLOW, assert_tiny_rebuild_equals, ode_sample, read_metrics, run_script,
+                      sde_trajectory, slow_except)
 
 RESOLUTION, GUIDANCE, SIZE = 64, 4.0, 32  # SIZE: --condition-size (one vision token, 2×2 latent tokens per image)
 # Texts of different lengths and negative prompts of other lengths again, so the per-length batches matter.
@@ -251,3 +252,8 @@ def test_two_processes_train_text_to_image(tmp_path):
                "--max-sequence-length", "16", "--output-dir", tmp_path, launcher=ACCELERATE_2CPU)
     (metrics,) = read_metrics(tmp_path)
     assert metrics["num_processes"] == 2 and metrics["samples_seen"] == 4 and metrics["ratio_dev_first"] < 1e-6
+
+
+def test_tiny_build_is_deterministic(tmp_path, monkeypatch, path):
+    monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path))
+    assert_tiny_rebuild_equals("qwen-image-2.1", path, tmp_path)
