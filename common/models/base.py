@@ -31,7 +31,8 @@ class _Adapter:
     true_cfg = False
     max_sequence_limit: int | None = None  # the longest prompt the text encoder path accepts, when bounded
     # Conditioned models (editing, image-to-video): how many condition images a prompt carries, fewest and most
-    # (None: any number), and the components that encode them, which preprocess.py loads beside the text encoders.
+    # (None: any number; fewest 0: optional, Qwen-Image 2.1's text-to-image rows have none), and the components that
+    # encode them, which preprocess.py loads beside the text encoders.
     # Their `encode_prompts(texts, images)` returns the condition tensors with the text embeddings, so the cache
     # and every script carry them in the same `cond` dict that `velocity` reads.
     condition_images: tuple[int, int | None] = (0, 0)

@@ -139,11 +139,6 @@ class QwenImage21Adapter(QwenImageEditAdapter):
                 rows["image_shapes"].append(torch.tensor([shapes], dtype=torch.long, device=self.device))
         return {key: torch.cat(values) for key, values in rows.items() if values}
 
-    def encode_entry(self, text: str, image_paths: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
-        from common.data import load_images
-
-        return self.encode_prompts([text], [load_images(image_paths)])
-
     def _branch(self, model, x, timestep, cond: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
         """The transformer's output at the target's tokens for one CFG branch (`prefix` "" or "negative_"), the rows
         of each text length run together, cut to that length (see the class docstring)."""
