@@ -102,7 +102,7 @@ def assert_lora_changes_the_stock_pipeline(model, lora, dataset):
 
 # The stock pipelines' calls at the tiny size: Kontext without its 1024² auto-resize, Wan I2V at 5 frames.
 PIPELINE_ARGS = {"flux1-kontext": dict(max_area=32 * 32, _auto_resize=False, max_sequence_length=16),
-                 "qwen-image-edit": dict(), "qwen-image-2.1": dict(output_resolution=32, use_kv_cache=False),
+                 "qwen-image-edit": dict(), "qwen-image-2.1": dict(output_resolution=32),
                  "wan-i2v": dict(num_frames=5, max_sequence_length=512),
                  "flux2": dict(max_sequence_length=64), "flux2-klein": dict(max_sequence_length=32),
                  "z-image": dict(max_sequence_length=32, guidance_scale=0.0),
