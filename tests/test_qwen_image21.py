@@ -112,6 +112,31 @@ def test_a_rows_velocity_does_not_depend_on_its_batch(adapter):
         torch.testing.assert_close(both[i:i + 1], alone, rtol=0, atol=1e-6)
 
 
+def test_padding_would_change_a_rows_velocity(adapter):
+    """Why `velocity` batches rows by text length: the transformer given the short row cut at its own length
+    reproduces its velocity, but cut at the long row's length, its padding masked, gives another one (the RoPE
+    counts the padded positions before the target's tokens)."""
+    cond = PromptEncoder(adapter)(TEXT)
+    x = adapter.noise(sample_generators([1], "cpu"))
+    short = {k: v[1:2] for k, v in cond.items() if not k.startswith("negative_")}
+
+    def forward(length):
+        slots = torch.cat([short["image_pad_mask"][:, :length].bool(),
+                           torch.ones(1, adapter.image_tokens // 4, dtype=torch.bool)], dim=1)
+        with torch.no_grad():
+            out = adapter.transformer(hidden_states=x, timestep=torch.full((1,), 0.75), img_mask=slots,
+                                      encoder_hidden_states=short["prompt_embeds"][:, :length],
+                                      encoder_hidden_states_mask=short["prompt_embeds_mask"][:, :length].bool(),
+                                      img_shapes=[[(1, adapter.latent_h, adapter.latent_w)]], return_dict=False)[0]
+        return out[:, -x.shape[1]:]
+
+    own, long = int(short["prompt_embeds_mask"].sum()), int(cond["prompt_embeds_mask"][0].sum())
+    alone = adapter.velocity(x, 0.75, short)
+    assert own < long
+    torch.testing.assert_close(forward(own), alone, rtol=0, atol=1e-6)
+    assert (forward(long) - alone).abs().max() > 1e-3
+
+
 def test_ratio_is_exactly_one_with_cfg(adapter, edits):
     cond = PromptEncoder(adapter)(edits + [Prompt(r.prompt, "", r.images, r.image_digests) for r in edits])
     sigmas = adapter.sigmas(4)
