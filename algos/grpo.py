@@ -139,6 +139,17 @@ PRESETS = {
                                   batch_size=1, updates_per_epoch=2, learning_rate=1e-4, weight_decay=1e-4,
                                   clip_range=1e-4, kl_beta=0.0, global_std=False, lora_rank=64, lora_alpha=128,
                                   eval_every=20, save_every=20),
+    # No RL setting for Qwen-Image 2.1 is published: Flow-Factory's Z-Image GRPO example above (the closest
+    # single-stream model's) at 2.1's own inference settings from its model card and official README
+    # (QwenLM/Qwen-Image-2.1): no CFG (guidance 1, the model's default here) and
+    # 40 sampling steps for evaluation. Text-to-image on the default prompts; a dataset with "image" fields makes it
+    # the same setting for editing.
+    "qwen-image-2.1-flowfactory": dict(model="qwen-image-2.1", reward=["pickscore"], advantage_aggregation="gdpo",
+                                       resolution=512, num_steps=10, eval_num_steps=40, noise_level=0.7,
+                                       sde_window_size=1, sde_window_range=(1, 4), group_size=16,
+                                       prompts_per_epoch=48, batch_size=1, updates_per_epoch=2, learning_rate=3e-4,
+                                       weight_decay=1e-4, clip_range=1e-4, kl_beta=0.0, lora_rank=64,
+                                       lora_alpha=128, eval_every=20, save_every=20),
 }
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 # Bump when a builder changes, so stale tiny models on disk are not reused.
-TINY_VERSION = 1
+TINY_VERSION = 2
 TINY_SEED = 0
 
 
@@ -179,18 +179,66 @@ def _byte_level_bpe(words) -> tuple[dict[str, int], list[tuple[str, str]]]:
     return vocab, merges
 
 
+_QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                  "<|image_pad|>", "<|video_pad|>"]
+
+
+def _qwen2_tokenizer(vocab: dict[str, int], merges: list, image_token: bool):
+    """A Qwen2Tokenizer of this vocabulary with the chat/vision special tokens; with `image_token` it also names
+    <|image_pad|> its image token (what an image-only VL processor reads, see `_image_only_processor`)."""
+    from transformers import Qwen2Tokenizer
+
+    if not image_token:
+        return Qwen2Tokenizer(vocab=vocab, merges=merges, additional_special_tokens=_QWEN_SPECIALS[1:],
+                              model_max_length=2048)
+    # extra_special_tokens as a dict replaces the list of additional special tokens: add them afterwards
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, extra_special_tokens={"image_token": "<|image_pad|>"},
+                               model_max_length=2048)
+    tokenizer.add_tokens(_QWEN_SPECIALS[1:], special_tokens=True)  # already in the vocabulary: no new ids
+    return tokenizer
+
+
 def tiny_qwen2_tokenizer():
     """A byte-level BPE Qwen2 tokenizer: the 256 byte symbols, merges that make each word of the Qwen-Image
     chat template a single token (as in the real vocabulary), and the chat/vision special tokens."""
-    from transformers import Qwen2Tokenizer
-
     vocab, merges = _byte_level_bpe(_QWEN_TEMPLATE_WORDS)
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                "<|image_pad|>", "<|video_pad|>"]
-    for token in specials:
+    for token in _QWEN_SPECIALS:
         vocab[token] = len(vocab)
-    return Qwen2Tokenizer(vocab=vocab, merges=merges, additional_special_tokens=specials[1:],
-                          model_max_length=2048)
+    return _qwen2_tokenizer(vocab, merges, image_token=False)
+
+
+def _qwen2_tokenizer_with_words(text: str):
+    """`tiny_qwen2_tokenizer` plus merges that make each word of `text` (a pipeline's chat-template prefix) one
+    token, as the real vocabulary does; named image token (see `_qwen2_tokenizer`). New merges rank last, so they
+    never change how an earlier word (or a Qwen-Image template word) is split."""
+    import json
+    import re
+
+    from tokenizers.models import BPE
+
+    base = tiny_qwen2_tokenizer()
+    model = json.loads(base.backend_tokenizer.to_str())["model"]
+    vocab, merges = dict(model["vocab"]), [tuple(pair) for pair in model["merges"]]
+    chunks = re.split("|".join(map(re.escape, _QWEN_SPECIALS)), text)
+    words = [w for chunk in chunks for w, _ in base.backend_tokenizer.pre_tokenizer.pre_tokenize_str(chunk)]
+    for word in dict.fromkeys(words):
+        # Merge the first two pieces BPE leaves until one remains.
+        while len(pieces := [t.value for t in BPE(vocab=vocab, merges=merges).tokenize(word)]) > 1:
+            merges.append((pieces[0], pieces[1]))
+            vocab.setdefault(pieces[0] + pieces[1], len(vocab))
+    return _qwen2_tokenizer(vocab, merges, image_token=True)
+
+
+def _image_only_processor(image_processor, tokenizer, chat_template: str | None = None):
+    """The VL processor of the tiny Qwen editing pipelines: transformers' `PaddleOCRVLProcessor`, which does for
+    images and text what Qwen2VLProcessor and Qwen3VLProcessor do (each <|image_pad|> becomes
+    image_grid_thw.prod() / merge_size² copies; the image processor's pixel_values and grids) but has no video
+    processor: transformers 5 builds theirs only with torchvision, which has no CPU wheel beside this project's
+    torch, and the pipelines never feed videos. tests/test_qwen_image21.py checks the equality on the tiny models.
+    With the slow (PIL) Qwen2VL image processor nothing of it needs torchvision."""
+    from transformers import PaddleOCRVLProcessor
+
+    return PaddleOCRVLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
 
 
 def _tiny_qwen_vl(tokenizer):
@@ -342,53 +390,26 @@ def _build_flux1_kontext(path: Path) -> None:
 
 def _build_qwen_image_edit(path: Path) -> None:
     """Qwen-Image-Edit-2511-like: `_build_qwen_image`'s 2-layer Qwen2.5-VL, whose 1-block vision tower now sees the
-    condition images through a real Qwen2VLProcessor (4 to 16 vision tokens per image), the QwenImage VAE,
-    scheduler and MMDiT, the latter with 2511's zero_cond_t (condition tokens modulated at t = 0). The tokenizer
-    is `tiny_qwen2_tokenizer` plus merges that make each word of the Edit pipeline's chat-template prefix and of
-    "Picture 1: " one token, as the real vocabulary does, so that the prefix the pipeline drops
-    (`prompt_template_encode_start_idx` = 64 tokens) is exactly the system prompt + "user\n"."""
-    import json
-    import re
-
+    condition images through the slow Qwen2VL image processor (4 to 16 vision tokens per image) in an image-only
+    processor (`_image_only_processor`), the QwenImage VAE, scheduler and MMDiT, the latter with 2511's zero_cond_t
+    (condition tokens modulated at t = 0). The tokenizer is `tiny_qwen2_tokenizer` plus merges that make each word
+    of the Edit pipeline's chat-template prefix and of "Picture 1: " one token, as the real vocabulary does, so
+    that the prefix the pipeline drops (`prompt_template_encode_start_idx` = 64 tokens) is exactly the system
+    prompt + "user\n"."""
     from diffusers import QwenImageEditPlusPipeline
-    from tokenizers.models import BPE
-    from transformers import Qwen2Tokenizer, Qwen2VLImageProcessorPil, Qwen2VLProcessor, Qwen2VLVideoProcessor
+    from transformers import Qwen2VLImageProcessorPil
 
-    from common.models.qwen_image_edit import processor_needs_torchvision
-    from common.utils import UserError
-
-    if processor_needs_torchvision():
-        raise UserError("the tiny Qwen-Image-Edit pipeline needs torchvision: this transformers builds "
-                        "Qwen2VLProcessor only with it; pip install torchvision")
     torch.manual_seed(TINY_SEED)
     vae, transformer = _tiny_qwen_vae(), _tiny_qwen_transformer(zero_cond_t=True)
     scheduler = _qwen_image_scheduler()
     # The pipeline first without its text side: its own chat template says which words the tokenizer needs.
     pipe = QwenImageEditPlusPipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, processor=None,
                                      transformer=transformer)
-    base = tiny_qwen2_tokenizer()
-    model = json.loads(base.backend_tokenizer.to_str())["model"]
-    vocab, merges = dict(model["vocab"]), [tuple(pair) for pair in model["merges"]]
-    specials = sorted(base.get_added_vocab(), key=base.get_added_vocab().get)  # <|endoftext|>, <|im_start|>, ...
-    text = pipe.prompt_template_encode.split("{}")[0] + "Picture 1: "
-    chunks = re.split("|".join(map(re.escape, specials)), text)
-    words = [w for chunk in chunks for w, _ in base.backend_tokenizer.pre_tokenizer.pre_tokenize_str(chunk)]
-    for word in dict.fromkeys(words):
-        # Merge the first two pieces BPE leaves until one remains. New merges rank last, so they never change
-        # how an earlier word (or a Qwen-Image template word) is split.
-        while len(pieces := [t.value for t in BPE(vocab=vocab, merges=merges).tokenize(word)]) > 1:
-            merges.append((pieces[0], pieces[1]))
-            vocab.setdefault(pieces[0] + pieces[1], len(vocab))
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, additional_special_tokens=specials[1:],
-                               model_max_length=2048)
+    tokenizer = _qwen2_tokenizer_with_words(pipe.prompt_template_encode.split("{}")[0] + "Picture 1: ")
     text_encoder = _tiny_qwen_vl(tokenizer)
-    video = {}
-    if "video_processor" in Qwen2VLProcessor.get_attributes():  # required by transformers, unused by the pipeline
-        video["video_processor"] = Qwen2VLVideoProcessor()
     # 28 = patch 14 x merge 2: one image token per 28x28 pixels, 4 to 16 tokens per image.
-    processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28,
-                                                                          max_pixels=16 * 28 * 28),
-                                 tokenizer=tokenizer, **video)
+    processor = _image_only_processor(Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28),
+                                      tokenizer)
     pipe.register_modules(text_encoder=text_encoder, tokenizer=tokenizer, processor=processor)
     pipe.save_pretrained(path, safe_serialization=True)
 
@@ -578,11 +599,74 @@ def _build_flux2_klein(path: Path) -> None:
     pipe.save_pretrained(path, safe_serialization=True)
 
 
+# Qwen3-VL's chat template for messages whose content is a list of parts, as QwenImage21Pipeline passes them
+# (it applies the template to its system message to count the tokens it drops).
+_QWEN3_VL_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{ message['content'] }}{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{ part['text'] }}"
+    "{%- elif part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{%- endif %}"
+    "{%- endfor %}{%- endif %}{{ '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _build_qwen_image21(path: Path) -> None:
+    """Qwen-Image-2.1-like: a 2-layer Qwen3-VL whose 1-block vision tower has the real 16-pixel patches and 2×2
+    merge (one vision token per 32×32 pixels = 2×2 latent tokens, the slots the transformer fills with condition
+    latents) behind the slow Qwen2VL image processor in an image-only processor (`_image_only_processor`), the
+    RGBA Qwen-Image-2.1 VAE (4 channels in and out, 16× spatial: five levels), the single-stream block-causal
+    transformer with causal_condition, and Qwen-Image's scheduler config (2.1's is not published apart from the
+    checkpoint; its README: flow-matching Euler with dynamic shifting). The tokenizer makes each word of the
+    pipeline's system prompt one token, as the real vocabulary does."""
+    from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline, QwenImage21Transformer2DModel
+    from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    torch.manual_seed(TINY_SEED)
+    z_dim = 8
+    vae = AutoencoderKLQwenImage21(
+        base_dim=8, decoder_base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=1,
+        temperal_downsample=[False, True, True, True], in_channels=4, out_channels=4,
+        latents_mean=[0.1, -0.2, 0.3, 0.0, 0.2, -0.1, 0.0, 0.1], latents_std=[1.5, 2.0, 2.5, 1.0, 1.2, 1.8, 2.2, 1.4],
+    )
+    # head_dim 16 = sum(axes_dims_rope); context_in_dim = the text encoder's width.
+    transformer = QwenImage21Transformer2DModel(
+        patch_size=1, in_channels=z_dim, out_channels=z_dim, num_layers=2, attention_head_dim=16,
+        num_attention_heads=2, context_in_dim=32, mlp_ratio=3, axes_dims_rope=(4, 6, 6), causal_condition=True,
+    )
+    system = "Comprehend and analyze the provided prompt."  # QwenImage21Pipeline.sys_prompt
+    tokenizer = _qwen2_tokenizer_with_words(f"system\n{system}\nuser\n assistant\n<image1>")
+    ids = tokenizer.convert_tokens_to_ids
+    text_encoder = Qwen3VLForConditionalGeneration(Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
+            # mrope_section sums to head_dim / 2 = 8 (temporal, height, width rotary frequencies)
+            rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 3, 3],
+                             "mrope_interleaved": True},
+            bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+        ),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                           deepstack_visual_indexes=[0]),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+    ))
+    # Qwen3-VL's image processor settings (16-pixel patches, mean = std = 0.5), 1 to 64 vision tokens per image.
+    image_processor = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
+                                               image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                                               min_pixels=32 * 32, max_pixels=64 * 32 * 32)
+    processor = _image_only_processor(image_processor, tokenizer, _QWEN3_VL_CHAT_TEMPLATE)
+    pipe = QwenImage21Pipeline(scheduler=_qwen_image_scheduler(), vae=vae, text_encoder=text_encoder,
+                               processor=processor, transformer=transformer)
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
 TINY_BUILDERS = {"flux1": _build_flux1, "sd3": _build_sd3, "qwen-image": _build_qwen_image, "wan": _build_wan,
                  "flux1-kontext": _build_flux1_kontext, "qwen-image-edit": _build_qwen_image_edit,
                  "wan-i2v": _build_wan_i2v, "wan2.2": _build_wan22, "wan2.2-5b": _build_wan22_5b,
                  "z-image": _build_z_image,
-                 "flux2": _build_flux2, "flux2-klein": _build_flux2_klein}
+                 "flux2": _build_flux2, "flux2-klein": _build_flux2_klein, "qwen-image-2.1": _build_qwen_image21}
 
 
 def tiny_model_path(model: str) -> Path:

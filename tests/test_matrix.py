@@ -6,7 +6,6 @@ output for a condition image."""
 
 import math
 import runpy
-import sys
 
 import pytest
 
@@ -30,12 +29,12 @@ MODELS = {
     "flux2-klein": ["--resolution", "32", "--max-sequence-length", "32"],
     # Z-Image wraps each prompt in an 8-token chat template: 32 leaves the prompt room behind it.
     "z-image": ["--resolution", "32", "--max-sequence-length", "32"],
+    # Editing here (condition images); its text-to-image mode trains in tests/test_qwen_image21.py.
+    "qwen-image-2.1": ["--resolution", "32", "--condition-size", "32"],
 }
-CONDITIONED = {"flux1-kontext", "qwen-image-edit", "wan-i2v"}
+CONDITIONED = {"flux1-kontext", "qwen-image-edit", "wan-i2v", "qwen-image-2.1"}
 # Text-to-image and -video models whose trained LoRA is also loaded into the stock pipeline (first test prompt).
 STOCK_LORA = {"flux2", "flux2-klein", "z-image", "wan2.2-5b"}  # wan2.2's two files: tests/test_wan22.py
-# Without torchvision, Qwen-Image-Edit's processor is built from its image processor and tokenizer only.
-LAUNCHER = {"qwen-image-edit": [sys.executable, str(REPO / "tests" / "image_only_processor.py")]}
 SMALL = ["--preset", "tiny", "--epochs", "1", "--prompts-per-epoch", "1", "--group-size", "4", "--batch-size", "4",
          "--eval-every", "1", "--eval-num-prompts", "1", "--max-sequence-length", "16"]
 STEPS = {"grpo": ["--num-steps", "4", "--updates-per-epoch", "1"],
@@ -57,7 +56,7 @@ DIAGONAL = [(SCRIPTS[i % len(SCRIPTS)], model) for i, model in enumerate(MODELS)
 def test_one_epoch(script, model, tmp_path, request):
     data = ["--dataset", request.getfixturevalue("edit_dataset")] if model in CONDITIONED else []
     run_script(f"algos/{script}.py", *SMALL, *STEPS[script], "--model", model, "--model-path", "tiny",
-               *MODELS[model], *data, "--output-dir", tmp_path, launcher=LAUNCHER.get(model))
+               *MODELS[model], *data, "--output-dir", tmp_path)
     (metrics,) = read_metrics(tmp_path)
     assert metrics["num_processes"] == 1 and metrics["samples_seen"] == 4
     assert all(math.isfinite(metrics[k]) for k in ("reward_mean", "loss", "grad_norm", "eval_reward_mean"))
@@ -84,9 +83,6 @@ def assert_lora_changes_the_stock_pipeline(model, lora, dataset):
     from common.data import load_prompts
     from common.tiny import tiny_model_path
 
-    from image_only_processor import image_only_processor
-
-    image_only_processor()  # no-op where torchvision is installed
     record = load_prompts(dataset, "test")[0]
     pipe = DiffusionPipeline.from_pretrained(str(tiny_model_path(model)))
     pipe.set_progress_bar_config(disable=True)
@@ -106,7 +102,7 @@ def assert_lora_changes_the_stock_pipeline(model, lora, dataset):
 
 # The stock pipelines' calls at the tiny size: Kontext without its 1024² auto-resize, Wan I2V at 5 frames.
 PIPELINE_ARGS = {"flux1-kontext": dict(max_area=32 * 32, _auto_resize=False, max_sequence_length=16),
-                 "qwen-image-edit": dict(),
+                 "qwen-image-edit": dict(), "qwen-image-2.1": dict(output_resolution=32),
                  "wan-i2v": dict(num_frames=5, max_sequence_length=512),
                  "flux2": dict(max_sequence_length=64), "flux2-klein": dict(max_sequence_length=32),
                  "z-image": dict(max_sequence_length=32, guidance_scale=0.0),

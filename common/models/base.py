@@ -9,6 +9,18 @@ import torch
 from common.utils import UserError
 
 
+def component_class_name(model_path: str, component: str) -> str | None:
+    """The class the pipeline at `model_path` names for `component` in its model_index.json; None when it names
+    none or the config cannot be read (loading the pipeline then says why)."""
+    import diffusers
+
+    try:
+        entry = diffusers.DiffusionPipeline.load_config(model_path).get(component) or [None, None]
+    except (OSError, ValueError):
+        return None
+    return entry[1]
+
+
 class _Adapter:
     """What the adapters share: loading a pipeline's components, parking the frozen text encoders on the CPU,
     autocast to the model dtype, and writing LoRA weights in the pipeline's own format."""
@@ -19,7 +31,8 @@ class _Adapter:
     true_cfg = False
     max_sequence_limit: int | None = None  # the longest prompt the text encoder path accepts, when bounded
     # Conditioned models (editing, image-to-video): how many condition images a prompt carries, fewest and most
-    # (None: any number), and the components that encode them, which preprocess.py loads beside the text encoders.
+    # (None: any number; fewest 0: optional, Qwen-Image 2.1's text-to-image rows have none), and the components that
+    # encode them, which preprocess.py loads beside the text encoders.
     # Their `encode_prompts(texts, images)` returns the condition tensors with the text embeddings, so the cache
     # and every script carry them in the same `cond` dict that `velocity` reads.
     condition_images: tuple[int, int | None] = (0, 0)
@@ -153,10 +166,14 @@ class _Adapter:
     def count_truncated(self, texts: list[str]) -> int:
         """How many of `texts` are longer than max_sequence_length tokens of the sequence encoder (T5, UMT5 or the
         Qwen2.5-VL text): the pipelines truncate them silently. 0 when the tokenizers were not loaded (cache)."""
-        tokenizer = getattr(self.pipe, self.long_tokenizer, None)
+        tokenizer = self._sequence_tokenizer()
         if tokenizer is None:
             return 0
         return sum(len(tokenizer(text).input_ids) > self.max_sequence_length for text in texts)
+
+    def _sequence_tokenizer(self):
+        """The sequence encoder's tokenizer (None when not loaded)."""
+        return getattr(self.pipe, self.long_tokenizer, None)
 
     def _require_text_encoders(self) -> None:
         if not self.text_encoders:
