@@ -25,7 +25,7 @@ from common.cli import CONDITIONED_MODELS, AttentionBackend, ModelName, TrainArg
 from common.data import DEFAULT_DATASET, check_conditions, load_prompts
 from common.evaluation import evaluate_prompts
 from common.models import ADAPTERS, load_adapter, resolve_model_path
-from common.scoring import check_video_rewards
+from common.scoring import check_audio_rewards, check_video_rewards
 from common.tracking import format_metrics
 from common.training import EMA, add_lora, trainable_parameters
 from common.utils import UserError, install_user_error_hook, quiet_libraries, resolve_dtype
@@ -209,6 +209,7 @@ def main() -> None:
             accelerator.print(f"note: {s.model} resizes condition images as its pipeline does (--condition-size unset)")
         rewards = load_run_rewards(s)
         check_video_rewards(rewards, s.model, ADAPTERS[s.model].video)
+        check_audio_rewards(rewards, s.model, ADAPTERS[s.model].audio)
         adapter, encode, test = load_model(s, accelerator)
         if folder is None or (args.base and k == 0):  # before the checkpoint goes into the same transformer
             name = "base" if folder is None else f"{folder.name}-base"

@@ -16,8 +16,12 @@ The interface a reward follows (the built-in ones and the user's alike):
             return scores                     # B finite numbers (list, numpy or torch)
 A reward that judges an edit or an image-to-video sample against its input sets `wants_conditions = True` and is
 called as `__call__(images, prompts, conditions)`: conditions[i] is the list of sample i's condition images, each a
-(3, h, w) float tensor in [0, 1] at its file's own size. Every other reward is called as before.
-A video model's samples are (B, F, 3, H, W); a reward sees them frame by frame (its scores averaged over the
+(3, h, w) float tensor in [0, 1] at its file's own size. A reward that scores sound sets `wants_audio = True` and
+is called once per batch as `__call__(images, prompts[, conditions], audio=waveforms, sample_rate=hz)`: `images`
+the whole video (B, F, 3, H, W), `audio` the waveforms (B, channels, samples), float32, at `sample_rate` Hz (as the
+audio-video model's vocoder makes them; e.g. `audio_loudness`); with a model that makes no audio it stops the run
+with one line before anything is loaded. Every other reward is called as before (an audio-video model's frames
+only). A video model's samples are (B, F, 3, H, W); a reward sees them frame by frame (its scores averaged over the
 frames) unless it sets `video = True`, and is then called with the whole clips (given an image model it stops
 the run with one line before anything is loaded).
 `__init__` gets `device`/`dtype` only when it names them. A plain function `(images, prompts) -> scores` works
@@ -39,6 +43,7 @@ import torch
 from common.scoring import Reward, call_reward, condition_tensors, score_samples  # noqa: F401 (re-exported)
 from common.utils import UserError
 from rewards.clip import Aesthetic, ClipScore, PickScore, PickScoreRank
+from rewards.audio import AudioLoudness, AudioPitch
 from rewards.jpeg import jpeg_compressibility, jpeg_incompressibility
 from rewards.ocr import OcrReward
 from rewards.remote import RemoteReward
@@ -61,6 +66,8 @@ REWARDS = {
     "toy": (ToyReward, False),
     "toy_edit": (ToyEditReward, False),
     "toy_video": (ToyVideoReward, False),
+    "audio_loudness": (AudioLoudness, False),
+    "audio_pitch": (AudioPitch, False),
 }
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -159,7 +166,7 @@ def load_rewards(specs: list[str], device=None, dtype=torch.float32) -> list[Rew
         name = name or getattr(scorer, "name", None) or default_name
         groupwise = bool(getattr(scorer, "groupwise", groupwise))
         rewards.append(Reward(name, weight, scorer, groupwise, bool(getattr(scorer, "wants_conditions", False)),
-                              bool(getattr(scorer, "video", False))))
+                              bool(getattr(scorer, "video", False)), bool(getattr(scorer, "wants_audio", False))))
     names = [r.name for r in rewards]
     if len(set(names)) != len(names):
         raise UserError(f"two rewards are named {max(names, key=names.count)!r} in {specs}: "

@@ -42,6 +42,9 @@ class LTX2Adapter(_Adapter):
     # Every attention of both streams (self, text cross-attention, audio↔video cross-attention): the names LTX-2's
     # own trainer targets.
     lora_target_modules = ["to_q", "to_k", "to_v", "to_out.0"]
+    # The transformer's FSDP2 units. LTX2VideoTransformer3DModel names no _no_split_modules, which accelerate's
+    # auto-wrap reads when the config names no classes (configs/fsdp2.yaml): the adapter sets it.
+    no_split_modules = ["LTX2VideoTransformerBlock"]
 
     def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
                  max_sequence_length: int = 1024, load_text_encoders: bool = True, text_only: bool = False,
@@ -53,6 +56,7 @@ class LTX2Adapter(_Adapter):
         if text_only:
             return
         pipe = self.pipe
+        self.transformer._no_split_modules = self.no_split_modules
         for module in (pipe.audio_vae, pipe.vocoder):
             module.to(self.device).requires_grad_(False)
         self.spatial_factor, self.temporal_factor = pipe.vae_spatial_compression_ratio, pipe.vae_temporal_compression_ratio
