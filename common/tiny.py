@@ -619,8 +619,9 @@ def _build_ltx2(path: Path) -> None:
         caption_channels=16, text_proj_in_factor=3,  # 2 layers + the embeddings, stacked
         video_connector_num_attention_heads=2, video_connector_attention_head_dim=8, video_connector_num_layers=1,
         video_connector_num_learnable_registers=None, audio_connector_num_attention_heads=2,
-        audio_connector_attention_head_dim=8, audio_connector_num_layers=1, audio_connector_num_learnable_registers=None,
-        connector_rope_base_seq_len=32, rope_double_precision=False, rope_type="split")
+        audio_connector_attention_head_dim=8, audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=None, connector_rope_base_seq_len=32, rope_double_precision=False,
+        rope_type="split")
     transformer = LTX2VideoTransformer3DModel(
         in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
         cross_attention_dim=16, audio_in_channels=2 * 2, audio_out_channels=2 * 2, audio_num_attention_heads=2,

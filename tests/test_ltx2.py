@@ -94,7 +94,7 @@ def test_ode_rollout_and_decode_reproduce_the_stock_pipeline(adapter, path):
     assert (finals[(1.0, 1.0)] - finals[GUIDANCE]).abs().max() > 0.01
     # CFG on both streams at once: the audio scale changes the audio first (the video follows through the streams'
     # cross-attention at later steps)
-    one_step = lambda g: adapter.velocity(adapter.noise(sample_generators([3, 4], "cpu")), 1.0, cond, g)  # noqa
+    one_step = lambda g: adapter.velocity(adapter.noise(sample_generators([3, 4], "cpu")), 1.0, cond, g)  # noqa: E731
     with torch.no_grad():
         delta = one_step(GUIDANCE) - one_step((3.0, 3.0))
     assert delta[:, video_part].abs().max() == 0 and delta[:, audio_part].abs().max() > 1e-3

@@ -79,7 +79,8 @@ def test_one_epoch(script, model, tmp_path, request):
 # Every script saves its LoRA through the same `save` (common/setup.py): one script per model, in turn, checks it in
 # the stock pipeline (each script covers one or two models).
 STOCK_CHECK = {model: SCRIPTS[i % len(SCRIPTS)] for i, model in enumerate(sorted(CONDITIONED | STOCK_LORA))}
-STOCK_CHECK["ltx2"] = {m: s for s, m in DIAGONAL}["ltx2"]  # its fast-tier script (added after the others, whose turns stay)
+# ltx2's fast-tier script checks its LoRA (added after the others, so that their turns stay)
+STOCK_CHECK["ltx2"] = {m: s for s, m in DIAGONAL}["ltx2"]
 
 
 def assert_lora_changes_the_stock_pipeline(model, lora, dataset):

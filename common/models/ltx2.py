@@ -59,18 +59,21 @@ class LTX2Adapter(_Adapter):
         self.transformer._no_split_modules = self.no_split_modules
         for module in (pipe.audio_vae, pipe.vocoder):
             module.to(self.device).requires_grad_(False)
-        self.spatial_factor, self.temporal_factor = pipe.vae_spatial_compression_ratio, pipe.vae_temporal_compression_ratio
+        self.spatial_factor = pipe.vae_spatial_compression_ratio
+        self.temporal_factor = pipe.vae_temporal_compression_ratio
         self._check_resolution(resolution, self.spatial_factor * self.config.patch_size)
         if num_frames < 1 or (num_frames - 1) % self.temporal_factor:
-            raise UserError(f"num_frames {num_frames} is not {self.temporal_factor}k + 1 (e.g. "
-                            f"{4 * self.temporal_factor + 1} or {15 * self.temporal_factor + 1}), as the LTX-2 VAE requires")
+            examples = f"{4 * self.temporal_factor + 1} or {15 * self.temporal_factor + 1}"
+            raise UserError(f"num_frames {num_frames} is not {self.temporal_factor}k + 1 (e.g. {examples}), as the "
+                            f"LTX-2 VAE requires")
         self.height = self.width = resolution
         self.num_frames = num_frames
         # The video's latent grid and the audio's latent length, as LTX2Pipeline.__call__ derives them.
         self.latent_frames = (num_frames - 1) // self.temporal_factor + 1
         self.latent_h = self.latent_w = resolution // self.spatial_factor
         audio_vae = pipe.audio_vae
-        per_second = audio_vae.config.sample_rate / audio_vae.config.mel_hop_length / audio_vae.temporal_compression_ratio
+        audio_config = audio_vae.config  # latent frames per second, then the clip's, in the pipeline's order of operations
+        per_second = audio_config.sample_rate / audio_config.mel_hop_length / float(audio_vae.temporal_compression_ratio)
         self.audio_frames = round(num_frames / self.frame_rate * per_second)
         self.latent_mel_bins = audio_vae.config.mel_bins // audio_vae.mel_compression_ratio
         self.video_shape = (self.config.in_channels, self.latent_frames, self.latent_h, self.latent_w)
@@ -122,7 +125,8 @@ class LTX2Adapter(_Adapter):
 
         cfg = self.scheduler.config
         mu = calculate_shift(int(np.prod(self.video_tokens)), cfg.get("base_image_seq_len", 1024),
-                             cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.95), cfg.get("max_shift", 2.05))
+                             cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.95),
+                             cfg.get("max_shift", 2.05))
         retrieve_timesteps(self.scheduler, num_steps, "cpu", sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
         return self.scheduler.sigmas.float().to(self.device)
 
@@ -143,7 +147,8 @@ class LTX2Adapter(_Adapter):
             embeds = torch.cat([cond["negative_prompt_embeds"], embeds])
             audio_embeds = torch.cat([cond["negative_audio_prompt_embeds"], audio_embeds])
             mask = torch.cat([cond["negative_prompt_attention_mask"], mask])
-            video, audio, timestep = torch.cat([video, video]), torch.cat([audio, audio]), torch.cat([timestep, timestep])
+            video, audio = torch.cat([video, video]), torch.cat([audio, audio])
+            timestep = torch.cat([timestep, timestep])
         model = self.transformer if transformer is None else transformer
         frames, height, width = self.video_tokens
         with self._autocast():
