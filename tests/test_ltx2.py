@@ -202,6 +202,31 @@ def test_scoring_gives_audio_to_the_rewards_that_want_it():
     assert both[[1]].audio.shape == (1, 2, 50) and len(AudioVideo.cat([both, both])) == 4
 
 
+def test_a_groupwise_audio_reward_gets_its_groups_waveforms_across_micro_batches():
+    """Micro-batches of an AudioVideo are concatenated for a groupwise reward: each group's call sees its members'
+    frames and waveforms, in order."""
+    from common.scoring import RolloutScoring
+
+    class Centred:
+        wants_audio, groupwise = True, True
+
+        def __call__(self, images, prompts, audio, sample_rate):
+            assert images.shape[1:] == (3, 3, 8, 8) and sample_rate == 16000
+            loudness = audio.flatten(1).abs().mean(1)
+            return loudness - loudness.mean()
+
+    video, audio = torch.rand(4, 3, 3, 8, 8), torch.randn(4, 2, 50)
+    scoring = RolloutScoring([Reward("centred", 1.0, Centred(), groupwise=True, wants_audio=True)], ["a"] * 4,
+                             torch.tensor([7, 9, 7, 9]))
+    for rows in ([0, 1, 2], [3]):
+        scoring.submit(AudioVideo(video[rows], audio[rows], 16000))
+    loudness = audio.double().flatten(1).abs().mean(1).numpy()
+    expected = np.empty(4)
+    for group in ([0, 2], [1, 3]):
+        expected[group] = loudness[group] - loudness[group].mean()
+    np.testing.assert_allclose(scoring.collect()[:, 0].numpy(), expected, rtol=1e-5, atol=1e-7)
+
+
 def test_an_audio_reward_with_a_silent_model_is_one_line(tmp_path):
     message = script_error("algos/grpo.py", "--preset", "tiny", "--reward", "audio_loudness", "--output-dir",
                            tmp_path / "run")

@@ -72,8 +72,9 @@ class LTX2Adapter(_Adapter):
         self.latent_frames = (num_frames - 1) // self.temporal_factor + 1
         self.latent_h = self.latent_w = resolution // self.spatial_factor
         audio_vae = pipe.audio_vae
-        audio_config = audio_vae.config  # latent frames per second, then the clip's, in the pipeline's order of operations
-        per_second = audio_config.sample_rate / audio_config.mel_hop_length / float(audio_vae.temporal_compression_ratio)
+        # latent frames per second, then the clip's, in the pipeline's order of operations
+        compression = float(audio_vae.temporal_compression_ratio)
+        per_second = audio_vae.config.sample_rate / audio_vae.config.mel_hop_length / compression
         self.audio_frames = round(num_frames / self.frame_rate * per_second)
         self.latent_mel_bins = audio_vae.config.mel_bins // audio_vae.mel_compression_ratio
         self.video_shape = (self.config.in_channels, self.latent_frames, self.latent_h, self.latent_w)
