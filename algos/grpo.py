@@ -150,6 +150,19 @@ PRESETS = {
                                        prompts_per_epoch=48, batch_size=1, updates_per_epoch=2, learning_rate=3e-4,
                                        weight_decay=1e-4, clip_range=1e-4, kl_beta=0.0, lora_rank=64,
                                        lora_alpha=128, eval_every=20, save_every=20),
+    # Flow-Factory's LTX-2 text-to-audio-video GRPO example (examples/grpo/lora/ltx2/t2av.yaml): LoRA r64/α128, 121
+    # frames at 24 fps, 24 rollout steps without CFG (guidance 1, its spatio-temporal and modality guidance off, as
+    # here), CPS η 0.8 on 3 steps within steps 0–9, group 16, 48 prompts, 2 updates, clip 1e-4, no KL, lr 3e-4,
+    # weight decay 1e-4, global std, GDPO aggregation. Not carried over: its 512×768 (square 512 here), its CLAP
+    # audio-text and ImageBind audio-video rewards (PickScore on the frames instead: give an audio reward with
+    # --reward), its EMA every 4 epochs and its 50-step evaluation at guidance 4.
+    "ltx2-flowfactory": dict(model="ltx2", reward=["pickscore"], advantage_aggregation="gdpo", resolution=512,
+                             num_frames=121, max_sequence_length=1024, num_steps=24, eval_num_steps=24,
+                             guidance_scale=1.0, dynamics="cps", noise_level=0.8, sde_window_size=3,
+                             sde_window_range=(0, 10), group_size=16, prompts_per_epoch=48, batch_size=1,
+                             updates_per_epoch=2, learning_rate=3e-4, weight_decay=1e-4, clip_range=1e-4, kl_beta=0.0,
+                             global_std=True, lora_rank=64, lora_alpha=128, gradient_checkpointing=True,
+                             eval_every=60, save_every=60),
 }
 
 

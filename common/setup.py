@@ -29,7 +29,7 @@ from common.flops import FlopCounter, default_peak_tflops
 from common.models import ADAPTERS, load_adapter, resolve_model_path
 from common.parallel import (DataParallel, check_world, device_mesh, enable_sequence_parallel, models_with_plans,
                              plan_owner)
-from common.scoring import RolloutScoring, check_video_rewards
+from common.scoring import RolloutScoring, check_audio_rewards, check_video_rewards
 from common.shadow import ReferencePolicy, ShadowPolicy
 from common.tracking import MetricsLog, check_finite, format_metrics
 from common.training import EMA, add_lora, lr_scheduler, trainable_parameters
@@ -175,6 +175,7 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
     train_prompts, test_prompts = load_prompts(args.dataset, "train"), load_prompts(args.dataset, "test")
     check_conditions(train_prompts + test_prompts, *ADAPTERS[args.model].condition_images, args.model)
     check_video_rewards(rewards, args.model, ADAPTERS[args.model].video)
+    check_audio_rewards(rewards, args.model, ADAPTERS[args.model].audio)
     if args.prompts_per_epoch > len(train_prompts):
         raise UserError(f"--prompts-per-epoch {args.prompts_per_epoch} exceeds the {len(train_prompts)} training "
                         f"prompts of {args.dataset}")
@@ -466,7 +467,7 @@ def score_epoch(run: Run, scoring: RolloutScoring | torch.Tensor, records: list 
     ids (N,)). Group statistics then see every sample of a group, whichever process drew it (each once: the
     gather is over the data-parallel ranks, common.parallel). Returns only once every
     score is in and no reward thread is left; a reward's failure is raised instead, before anything is trained."""
-    if isinstance(scoring, torch.Tensor):
+    if not isinstance(scoring, RolloutScoring):  # the images (or an AudioVideo) themselves
         images, scoring = scoring, start_scoring(run, records, group_ids)
         scoring.submit(images)
     raw = scoring.collect()

@@ -131,8 +131,8 @@ def _error_of(*args):
 
 @pytest.mark.parametrize("flags,message", [
     (["--model", "sd9"], "invalid choice 'sd9' for argument '--model'. Expected one of ('flux1', 'sd3'"),
-    (["--reward", "beauty"], "unknown reward 'beauty'; choose from: aesthetic, clip, editreward, hpsv3, imagereward, "
-                             "jpeg_compressibility"),
+    (["--reward", "beauty"], "unknown reward 'beauty'; choose from: aesthetic, audio_loudness, audio_pitch, clip, "
+                             "editreward"),
     (["--dynamics", "langevin"], "'--dynamics'. Expected one of ('flow-sde', 'dance-sde', 'cps')"),
     (["--dynamics", "ode"], "invalid choice 'ode' for argument '--dynamics'"),
     (["--dataset", "/nonexistent/prompts"], "dataset folder '/nonexistent/prompts' does not exist"),

@@ -31,7 +31,11 @@ MODELS = {
     "z-image": ["--resolution", "32", "--max-sequence-length", "32"],
     # Editing here (condition images); its text-to-image mode trains in tests/test_qwen_image21.py.
     "qwen-image-2.1": ["--resolution", "32", "--condition-size", "32"],
+    # LTX-2's audio and video in one latent: the toy loudness reward scores the sound beside JPEG on the frames.
+    "ltx2": ["--resolution", "32", "--num-frames", "9", "--reward", "audio_loudness,target=0.1", "--reward",
+             "jpeg_compressibility"],
 }
+AUDIO = {"ltx2"}  # their runs log the audio reward and write each evaluation sample's sound beside the grid
 CONDITIONED = {"flux1-kontext", "qwen-image-edit", "wan-i2v", "qwen-image-2.1"}
 # Text-to-image and -video models whose trained LoRA is also loaded into the stock pipeline (first test prompt).
 STOCK_LORA = {"flux2", "flux2-klein", "z-image", "wan2.2-5b"}  # wan2.2's two files: tests/test_wan22.py
@@ -60,6 +64,9 @@ def test_one_epoch(script, model, tmp_path, request):
     (metrics,) = read_metrics(tmp_path)
     assert metrics["num_processes"] == 1 and metrics["samples_seen"] == 4
     assert all(math.isfinite(metrics[k]) for k in ("reward_mean", "loss", "grad_norm", "eval_reward_mean"))
+    if model in AUDIO:
+        assert math.isfinite(metrics["reward_audio_loudness_mean"]) and metrics["reward_audio_loudness_std"] > 0
+        assert (tmp_path / "eval" / "epoch_000000_audio" / "prompt000_seed0.wav").stat().st_size > 44  # header + PCM
     if "ratio_dev_first" in metrics:
         assert metrics["ratio_dev_first"] < 1e-6
     lora = tmp_path / "checkpoints" / "epoch_000000"
@@ -71,6 +78,8 @@ def test_one_epoch(script, model, tmp_path, request):
 # Every script saves its LoRA through the same `save` (common/setup.py): one script per model, in turn, checks it in
 # the stock pipeline (each script covers one or two models).
 STOCK_CHECK = {model: SCRIPTS[i % len(SCRIPTS)] for i, model in enumerate(sorted(CONDITIONED | STOCK_LORA))}
+# ltx2's fast-tier script checks its LoRA (added after the others, so that their turns stay)
+STOCK_CHECK["ltx2"] = {m: s for s, m in DIAGONAL}["ltx2"]
 
 
 def assert_lora_changes_the_stock_pipeline(model, lora, dataset):
@@ -106,7 +115,10 @@ PIPELINE_ARGS = {"flux1-kontext": dict(max_area=32 * 32, _auto_resize=False, max
                  "wan-i2v": dict(num_frames=5, max_sequence_length=512),
                  "flux2": dict(max_sequence_length=64), "flux2-klein": dict(max_sequence_length=32),
                  "z-image": dict(max_sequence_length=32, guidance_scale=0.0),
-                 "wan2.2-5b": dict(num_frames=5, max_sequence_length=16)}
+                 "wan2.2-5b": dict(num_frames=5, max_sequence_length=16),
+                 # LTX2Pipeline with CFG only: its spatio-temporal guidance needs blocks the tiny model has not
+                 "ltx2": dict(num_frames=9, max_sequence_length=16, stg_scale=0.0, audio_stg_scale=0.0,
+                              spatio_temporal_guidance_blocks=None)}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -11,6 +11,7 @@ from common.models.flux import FluxAdapter
 from common.models.flux2 import Flux2Adapter, Flux2KleinAdapter
 from common.models.kontext import FluxKontextAdapter
 from common.models.qwen_image21 import QwenImage21Adapter
+from common.models.ltx2 import LTX2Adapter
 from common.models.qwen_image_edit import QwenImageEditAdapter
 from common.models.wan_i2v import WanImageToVideoAdapter
 from common.models.qwen_image import QwenImageAdapter
@@ -34,6 +35,7 @@ DEFAULT_MODEL_PATHS = {
     "flux2-klein": "black-forest-labs/FLUX.2-klein-base-9B",  # the non-distilled base
     "z-image": "Tongyi-MAI/Z-Image-Turbo",  # the distilled one; Tongyi-MAI/Z-Image is its base
     "qwen-image-2.1": "Qwen/Qwen-Image-2.1",  # text-to-image and editing in one model
+    "ltx2": "Lightricks/LTX-2",
 }
 MODELS = tuple(DEFAULT_MODEL_PATHS)
 
@@ -55,7 +57,7 @@ ADAPTERS = {"flux1": FluxAdapter, "sd3": SD3Adapter, "qwen-image": QwenImageAdap
             "flux1-kontext": FluxKontextAdapter, "qwen-image-edit": QwenImageEditAdapter,
             "wan-i2v": WanImageToVideoAdapter, "wan2.2": Wan22Adapter, "wan2.2-5b": Wan22TI2VAdapter,
             "flux2": Flux2Adapter, "flux2-klein": Flux2KleinAdapter,
-            "z-image": ZImageAdapter, "qwen-image-2.1": QwenImage21Adapter}
+            "z-image": ZImageAdapter, "qwen-image-2.1": QwenImage21Adapter, "ltx2": LTX2Adapter}
 
 
 def load_adapter(model: str, model_path: str | None, device, dtype: torch.dtype, resolution: int,

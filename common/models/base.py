@@ -19,6 +19,34 @@ def component_class_name(model_path: str, component: str) -> str | None:
     except (OSError, ValueError):
         return None
     return entry[1]
+class AudioVideo:
+    """What an audio-video model's `decode` returns: `video` (batch, F, 3, H, W) in [0, 1] and `audio`, waveforms
+    (batch, channels, samples) at `sample_rate` Hz, both float32. It goes where other models' decoded images go
+    (`scoring.submit(adapter.decode(x).cpu())`): rows index, concatenate and move together, and common/scoring.py
+    gives the frames to every reward and the waveforms to those that want them."""
+
+    def __init__(self, video: torch.Tensor, audio: torch.Tensor, sample_rate: int):
+        if len(video) != len(audio):
+            raise ValueError(f"{len(video)} videos and {len(audio)} waveforms differ")
+        self.video, self.audio, self.sample_rate = video, audio, int(sample_rate)
+
+    def __len__(self) -> int:
+        return len(self.video)
+
+    def __getitem__(self, rows) -> "AudioVideo":
+        rows = [rows] if isinstance(rows, int) else rows
+        return AudioVideo(self.video[rows], self.audio[rows], self.sample_rate)
+
+    def cpu(self) -> "AudioVideo":
+        return AudioVideo(self.video.cpu(), self.audio.cpu(), self.sample_rate)
+
+    def detach(self) -> "AudioVideo":
+        return AudioVideo(self.video.detach(), self.audio.detach(), self.sample_rate)
+
+    @staticmethod
+    def cat(parts: list["AudioVideo"]) -> "AudioVideo":
+        return AudioVideo(torch.cat([p.video for p in parts]), torch.cat([p.audio for p in parts]),
+                          parts[0].sample_rate)
 
 
 class _Adapter:
@@ -37,6 +65,7 @@ class _Adapter:
     # and every script carry them in the same `cond` dict that `velocity` reads.
     condition_images: tuple[int, int | None] = (0, 0)
     video = False  # decodes (batch, frames, 3, H, W) and takes num_frames
+    audio = False  # decodes an AudioVideo (frames and waveforms) from one joint latent
     condition_components: tuple[str, ...] = ()
     model_components: tuple[str, ...] = ("transformer", "vae")  # what text_only (preprocess.py) leaves unloaded
 
