@@ -21,7 +21,7 @@ from common.utils import UserError, avoid_cudnn_attention, install_user_error_ho
 # Every --model name (common.models.ADAPTERS has one adapter per name; tests/test_models.py checks they agree), here
 # so that the scripts, preprocess.py and evaluate.py parse it without importing the adapters.
 ModelName = Literal["flux1", "sd3", "qwen-image", "wan", "flux1-kontext", "qwen-image-edit", "wan-i2v", "flux2",
-                    "flux2-klein", "z-image", "wan2.2", "wan2.2-5b"]
+                    "flux2-klein", "z-image", "wan2.2", "wan2.2-5b", "wan2.2-i2v"]
 # diffusers' attention backends (`diffusers.models.attention_dispatch.AttentionBackendName`; tests check they agree),
 # here so that a misspelt --attention-backend is refused, with the choices, before anything is loaded.
 AttentionBackend = Literal["native", "flash", "flash_varlen", "flash_hub", "flash_varlen_hub", "flash_4_hub",
@@ -30,8 +30,9 @@ AttentionBackend = Literal["native", "flash", "flash_varlen", "flash_hub", "flas
                            "_native_npu", "_native_xla", "sage", "sage_hub", "sage_blackwell_hub", "sage_varlen",
                            "_sage_qk_int8_pv_fp8_cuda", "_sage_qk_int8_pv_fp8_cuda_sm90",
                            "_sage_qk_int8_pv_fp16_cuda", "_sage_qk_int8_pv_fp16_triton", "xformers"]
-VIDEO_MODELS = ("wan", "wan-i2v", "wan2.2", "wan2.2-5b")
-CONDITIONED_MODELS = ("flux1-kontext", "qwen-image-edit", "wan-i2v")
+VIDEO_MODELS = ("wan", "wan-i2v", "wan2.2", "wan2.2-5b", "wan2.2-i2v")
+CONDITIONED_MODELS = ("flux1-kontext", "qwen-image-edit", "wan-i2v", "wan2.2-i2v")
+TWO_EXPERT_MODELS = ("wan2.2", "wan2.2-i2v")
 
 NON_FINITE_NOTE = ("A non-finite reward, loss or gradient norm stops the run with one line naming the epoch and the "
                    "quantity, before the optimizer step and before anything of that epoch is written; a checkpoint is "
@@ -62,8 +63,8 @@ class TrainArgs:
 
     # Model
     model: ModelName = "flux1"
-    """model family (flux1-kontext, qwen-image-edit: image editing; wan-i2v: image-to-video; their datasets give
-    each prompt a condition image)"""
+    """model family (flux1-kontext, qwen-image-edit: image editing; wan-i2v, wan2.2-i2v: image-to-video; their
+    datasets give each prompt a condition image)"""
     model_path: str | None = None
     """hub id or local folder of the pipeline; `tiny` builds an offline tiny model, `toy` is the toy world's
     pretrained FLUX.1 (unset: the model's published checkpoint)"""
@@ -74,10 +75,10 @@ class TrainArgs:
     max_sequence_length: int = 512
     """prompt length in text-encoder tokens (longer prompts are truncated, with a warning)"""
     num_frames: int | None = None
-    """frames of a video model (wan, wan-i2v: 4k + 1; unset: 33); image models take none"""
+    """frames of a video model (the Wan models: 4k + 1; unset: 33); image models take none"""
     train_experts: Literal["high", "low", "both"] | None = None
-    """wan2.2 only: the experts whose LoRA is trained (high noise: `transformer`, low noise: `transformer_2`); the
-    other's stays as it is, and both still sample (unset: both)"""
+    """wan2.2 and wan2.2-i2v only: the experts whose LoRA is trained (high noise: `transformer`, low noise:
+    `transformer_2`); the other's stays as it is, and both still sample (unset: both)"""
     condition_size: int | None = None
     """side of the square that condition images are resized to (unset: as the pipeline does it: FLUX.1 Kontext's
     preferred resolution nearest the image's aspect ratio, Qwen-Image-Edit's area-preserving resize, Wan I2V's
@@ -287,10 +288,11 @@ def check_args(args) -> None:
         raise UserError(f"--eval-num-steps must be at least 1, got {args.eval_num_steps}")
     if not 0 <= args.ema_decay < 1:
         raise UserError(f"--ema-decay must be in [0, 1), got {args.ema_decay}")
-    if args.train_experts is not None and args.model != "wan2.2":
-        raise UserError(f"--train-experts applies to wan2.2 (two experts), not to {args.model}")
-    if args.model == "wan2.2" and args.full_finetune:
-        raise UserError("--full-finetune is not supported for wan2.2 (two 14B experts): train LoRA, with "
+    if args.train_experts is not None and args.model not in TWO_EXPERT_MODELS:
+        raise UserError(f"--train-experts applies to two-expert models ({', '.join(TWO_EXPERT_MODELS)}), not to "
+                        f"{args.model}")
+    if args.model in TWO_EXPERT_MODELS and args.full_finetune:
+        raise UserError(f"--full-finetune is not supported for {args.model} (two 14B experts): train LoRA, with "
                         "--train-experts to pick the experts")
     if args.num_frames is not None and args.model not in VIDEO_MODELS:
         raise UserError(f"--num-frames applies to video models ({', '.join(VIDEO_MODELS)}), not to {args.model}")

@@ -258,7 +258,7 @@ def _build_qwen_image(path: Path) -> None:
 def _build_wan(path: Path) -> None:
     """Wan2.1-T2V-like: UMT5 encoder, the Wan 3D causal VAE (8x spatial, 4x temporal), the Wan DiT and the
     real checkpoint's UniPC flow scheduler (flow_shift 3)."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
     tokenizer = tiny_t5_tokenizer(max_length=512)
@@ -267,10 +267,7 @@ def _build_wan(path: Path) -> None:
         UMT5Config(vocab_size=len(tokenizer), d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
                    relative_attention_num_buckets=8)
     )
-    vae = AutoencoderKLWan(
-        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
-        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 2.5, 1.0],
-    )
+    vae = _tiny_wan_vae()
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
         text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=64,
@@ -279,6 +276,16 @@ def _build_wan(path: Path) -> None:
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae,
                        scheduler=scheduler)
     pipe.save_pretrained(path, safe_serialization=True)
+
+
+def _tiny_wan_vae():
+    """The Wan2.1 3D causal VAE (8x spatial, 4x temporal) with 4 latent channels and non-trivial statistics."""
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(
+        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 2.5, 1.0],
+    )
 
 
 def _tiny_umt5(tokenizer):
@@ -292,15 +299,12 @@ def _build_wan22(path: Path) -> None:
     """Wan2.2-T2V-A14B-like: `_build_wan`'s UMT5 and Wan2.1 VAE, two transformers of one config (the high-noise
     `transformer` and the low-noise `transformer_2`, initialised differently) and the real pipeline's
     boundary_ratio 0.875; the UniPC flow schedule at shift 3 puts steps on both sides of the boundary."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 
     tokenizer = tiny_t5_tokenizer(max_length=512)
     torch.manual_seed(TINY_SEED)
     text_encoder = _tiny_umt5(tokenizer)
-    vae = AutoencoderKLWan(
-        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
-        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 2.5, 1.0],
-    )
+    vae = _tiny_wan_vae()
     experts = [WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
         text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=64,
@@ -397,7 +401,7 @@ def _build_wan_i2v(path: Path) -> None:
     """Wan2.1-I2V-like: `_build_wan`'s UMT5 and VAE, a CLIP vision encoder whose penultimate hidden states feed
     the transformer's image projection (image_dim), and a transformer that takes the noise, the first-frame mask
     (one channel per frame of a latent frame: 4) and the condition latents: in_channels = 2·z_dim + 4."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+    from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
     from transformers import (CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config,
                               UMT5EncoderModel)
 
@@ -414,10 +418,7 @@ def _build_wan_i2v(path: Path) -> None:
     )
     # The real checkpoint's preprocessing (CLIP mean/std, shortest-edge resize, centre crop) at 32 pixels.
     image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    vae = AutoencoderKLWan(
-        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
-        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 2.5, 1.0],
-    )
+    vae = _tiny_wan_vae()
     # added_kv_proj_dim = the inner dim (as in the 14B model): the image tokens are projected to it first.
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=2 * 4 + 4, out_channels=4,
@@ -428,6 +429,27 @@ def _build_wan_i2v(path: Path) -> None:
     pipe = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, image_encoder=image_encoder,
                                    image_processor=image_processor, transformer=transformer, vae=vae,
                                    scheduler=scheduler)
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
+def _build_wan22_i2v(path: Path) -> None:
+    """Wan2.2-I2V-A14B-like: `_build_wan`'s UMT5 and VAE, no CLIP image encoder, two transformers of one config
+    without an image projection that take the noise, the first-frame mask (4) and the condition latents
+    (in_channels = 2·z_dim + 4, as the real 36 = 2·16 + 4), and the real checkpoint's boundary_ratio 0.9 and UniPC
+    flow shift 5: 4 steps put two timesteps on each side of the boundary (999, 937 | 833, 625)."""
+    from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+
+    tokenizer = tiny_t5_tokenizer(max_length=512)
+    torch.manual_seed(TINY_SEED)
+    text_encoder = _tiny_umt5(tokenizer)
+    vae = _tiny_wan_vae()
+    experts = [WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=2 * 4 + 4, out_channels=4,
+        text_dim=32, freq_dim=32, ffn_dim=32, num_layers=1, rope_max_seq_len=64,
+    ) for _ in range(2)]
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
+    pipe = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=experts[0],
+                                   transformer_2=experts[1], vae=vae, scheduler=scheduler, boundary_ratio=0.9)
     pipe.save_pretrained(path, safe_serialization=True)
 
 
@@ -581,6 +603,7 @@ def _build_flux2_klein(path: Path) -> None:
 TINY_BUILDERS = {"flux1": _build_flux1, "sd3": _build_sd3, "qwen-image": _build_qwen_image, "wan": _build_wan,
                  "flux1-kontext": _build_flux1_kontext, "qwen-image-edit": _build_qwen_image_edit,
                  "wan-i2v": _build_wan_i2v, "wan2.2": _build_wan22, "wan2.2-5b": _build_wan22_5b,
+                 "wan2.2-i2v": _build_wan22_i2v,
                  "z-image": _build_z_image,
                  "flux2": _build_flux2, "flux2-klein": _build_flux2_klein}
 
