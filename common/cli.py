@@ -13,7 +13,7 @@ from typing import Annotated, ClassVar, Literal
 
 import tyro
 
-from common.data import DEFAULT_DATASET
+from common.data import default_dataset
 from common.training import check_updates_per_epoch
 from common.utils import UserError, avoid_cudnn_attention, install_user_error_hook, quiet_libraries
 
@@ -95,8 +95,9 @@ class TrainArgs:
     torch's scaled_dot_product_attention)"""
 
     # Data and reward
-    dataset: str = DEFAULT_DATASET
-    """folder with train/test .jsonl (field `prompt`) or .txt files"""
+    dataset: str | None = None
+    """folder with train/test .jsonl (field `prompt`) or .txt files (unset: data/prompts; for conditioned models the
+    toy edit world's data/toy_edit, prompts with condition images)"""
     reward: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
     """a reward as NAME[:WEIGHT][,KEY=VALUE...] or MODULE:ATTR[:WEIGHT]; repeat the flag for several
     (none given: jpeg_compressibility)"""
@@ -234,6 +235,8 @@ def parse_args(args_class, presets: dict[str, dict] | None = None, description: 
     args = cli_one_line(args_class, default=default, args=argv, description=description)
     if getattr(args, "exp_name", None) == "":
         args.exp_name = Path(sys.argv[0]).stem
+    if hasattr(args, "dataset") and args.dataset is None:  # preprocess.py's Args has one too
+        args.dataset = default_dataset(args.model)
     check_finite(args)
     (check or check_args)(args)
     return args

@@ -23,15 +23,16 @@ MODELS = {
     "wan2.2-5b": ["--resolution", "32", "--num-frames", "5"],
     "flux1-kontext": ["--resolution", "32", "--condition-size", "32"],
     "qwen-image-edit": ["--resolution", "32", "--condition-size", "32"],
-    # Wan2.1 I2V's attention takes the last 512 context tokens as the text: its text length is fixed at 512.
-    "wan-i2v": ["--resolution", "32", "--num-frames", "5", "--max-sequence-length", "512"],
+    # Wan2.1 I2V's attention takes the last 512 context tokens as the text: the adapter pads the 16 to 512.
+    "wan-i2v": ["--resolution", "32", "--num-frames", "5"],
     # FLUX.2's system prompt and template take 37 tiny tokens, klein's template 14: room for the prompt behind them.
     "flux2": ["--resolution", "32", "--max-sequence-length", "64"],
     "flux2-klein": ["--resolution", "32", "--max-sequence-length", "32"],
     # Z-Image wraps each prompt in an 8-token chat template: 32 leaves the prompt room behind it.
     "z-image": ["--resolution", "32", "--max-sequence-length", "32"],
+    "wan2.2-i2v": ["--resolution", "32", "--num-frames", "5"],  # 4 steps at shift 5: 2 per expert
 }
-CONDITIONED = {"flux1-kontext", "qwen-image-edit", "wan-i2v"}
+CONDITIONED = {"flux1-kontext", "qwen-image-edit", "wan-i2v", "wan2.2-i2v"}
 # Text-to-image and -video models whose trained LoRA is also loaded into the stock pipeline (first test prompt).
 STOCK_LORA = {"flux2", "flux2-klein", "z-image", "wan2.2-5b"}  # wan2.2's two files: tests/test_wan22.py
 # Without torchvision, Qwen-Image-Edit's processor is built from its image processor and tokenizer only.
@@ -108,6 +109,7 @@ def assert_lora_changes_the_stock_pipeline(model, lora, dataset):
 PIPELINE_ARGS = {"flux1-kontext": dict(max_area=32 * 32, _auto_resize=False, max_sequence_length=16),
                  "qwen-image-edit": dict(),
                  "wan-i2v": dict(num_frames=5, max_sequence_length=512),
+                 "wan2.2-i2v": dict(num_frames=5, max_sequence_length=16),  # the high-noise expert's LoRA file
                  "flux2": dict(max_sequence_length=64), "flux2-klein": dict(max_sequence_length=32),
                  "z-image": dict(max_sequence_length=32, guidance_scale=0.0),
                  "wan2.2-5b": dict(num_frames=5, max_sequence_length=16)}

@@ -11,14 +11,14 @@ from PIL import Image
 
 from common.cache import PromptEncoder, build_cache, cache_entries, condition_inputs, fingerprint_inputs, open_cache
 from common.checkpoint import LORA_FILE_2
-from common.data import load_images, load_prompts
+from common.data import Prompt, check_conditions, load_images, load_prompts
 from common.distributed import lora_state_dict
 from common.dynamics import sde_step
-from common.models import load_adapter
+from common.models import ADAPTERS, load_adapter
 from common.sampling import sample_generators
 from common.training import add_lora
 from common.utils import UserError
-from conftest import ode_sample, sde_trajectory
+from conftest import SLOW, ode_sample, read_metrics, run_script, sde_trajectory
 
 RESOLUTION, FRAMES = 32, 5
 GUIDANCE = (4.0, 2.0)  # (high, low): unequal, so that a sample sent to the wrong expert's scale shows
@@ -158,6 +158,10 @@ def test_bad_input_and_the_other_wan_checkpoints_are_refused_with_one_line(path,
                                                               "checkpoint: use --model wan-i2v"),
              (lambda: load_adapter("wan-i2v", str(path), "cpu", torch.float32, RESOLUTION, num_frames=FRAMES),
               "is a Wan2.2 two-expert image-to-video checkpoint: use --model wan2.2-i2v")]
+    # A prompt without its first frame: the check setup.py and preprocess.py run before loading anything.
+    text_only = [Prompt("a cat", "", (), (), source="train.txt:1")]
+    cases.append((lambda: check_conditions(text_only, *ADAPTERS["wan2.2-i2v"].condition_images, "wan2.2-i2v"),
+                  'train.txt:1: wan2.2-i2v needs a condition image \\("image": "path"\\) on every line'))
     for make, message in cases:
         with pytest.raises(UserError, match=message) as error:
             make()
@@ -179,3 +183,31 @@ def test_wan21_i2v_pads_a_short_prompt_to_the_512_text_tokens(records):
     torch.testing.assert_close(short.velocity(x, 0.6, a, 5.0), full.velocity(x, 0.6, b, 5.0), rtol=0, atol=1e-5)
     with pytest.raises(UserError, match="max_sequence_length 600 is not in 1..512, as Wan I2V requires"):
         load_adapter("wan-i2v", str(path), "cpu", torch.float32, RESOLUTION, max_sequence_length=600)
+
+
+def test_conditioned_models_default_to_the_toy_edit_dataset(monkeypatch):
+    """--preset tiny runs a conditioned model as it is: unset, --dataset is data/toy_edit (prompts with condition
+    images) for them and data/prompts for the others."""
+    from common.cli import TrainArgs, parse_args
+    from common.data import DEFAULT_CONDITIONED_DATASET, DEFAULT_DATASET
+
+    for model, dataset in (("wan2.2-i2v", DEFAULT_CONDITIONED_DATASET), ("wan-i2v", DEFAULT_CONDITIONED_DATASET),
+                           ("wan", DEFAULT_DATASET)):
+        monkeypatch.setattr("sys.argv", ["grpo.py", "--model", model])
+        assert parse_args(TrainArgs, {}).dataset == dataset
+    monkeypatch.setattr("sys.argv", ["grpo.py", "--model", "wan-i2v", "--dataset", "mine"])
+    assert parse_args(TrainArgs, {}).dataset == "mine"
+
+
+@SLOW
+def test_two_processes_run_the_tiny_preset_as_it_is(tmp_path):
+    """`--preset tiny --model wan2.2-i2v --model-path tiny` with the default dataset, on two processes, each backward
+    through one expert (GRPO trains one step per backward)."""
+    from conftest import ACCELERATE_2CPU
+
+    args = ["--preset", "tiny", "--model", "wan2.2-i2v", "--model-path", "tiny", "--resolution", "32", "--num-frames",
+            "5", "--epochs", "1", "--prompts-per-epoch", "1", "--group-size", "4", "--batch-size", "2", "--num-steps",
+            "4", "--updates-per-epoch", "1", "--eval-every", "0"]
+    run_script("algos/grpo.py", *args, "--output-dir", tmp_path, launcher=ACCELERATE_2CPU)
+    (metrics,) = read_metrics(tmp_path)
+    assert metrics["num_processes"] == 2 and metrics["grad_norm"] > 0
