@@ -435,8 +435,9 @@ def _build_wan_i2v(path: Path) -> None:
 def _build_wan22_i2v(path: Path) -> None:
     """Wan2.2-I2V-A14B-like: `_build_wan`'s UMT5 and VAE, no CLIP image encoder, two transformers of one config
     without an image projection that take the noise, the first-frame mask (4) and the condition latents
-    (in_channels = 2·z_dim + 4, as the real 36 = 2·16 + 4), and the real checkpoint's boundary_ratio 0.9 and UniPC
-    flow shift 5: 4 steps put two timesteps on each side of the boundary (999, 937 | 833, 625)."""
+    (in_channels = 2·z_dim + 4, as the real 36 = 2·16 + 4), the A14B I2V boundary 0.9 and sample shift 5 (Wan2.2's
+    wan/configs/wan_i2v_A14B.py) as boundary_ratio and UniPC flow shift: 4 steps put two timesteps on each side of
+    the boundary (999, 937 | 833, 625)."""
     from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
 
     tokenizer = tiny_t5_tokenizer(max_length=512)

@@ -24,6 +24,7 @@ BLOCKS = {  # the diffusers block classes each model's FSDP2 config wraps
     "flux2": ("Flux2Transformer2DModel", {"Flux2TransformerBlock", "Flux2SingleTransformerBlock"}),
     "wan2.2": ("WanTransformer3DModel", {"WanTransformerBlock"}),  # each expert (transformer/, transformer_2/)
     "wan2.2-5b": ("WanTransformer3DModel", {"WanTransformerBlock"}),
+    "wan2.2-i2v": ("WanTransformer3DModel", {"WanTransformerBlock"}),
 }
 SKIP = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflops", "mfu", "peak_memory_gb"}
 
