@@ -9,6 +9,7 @@ import torch
 
 from common.models.flux import FluxAdapter
 from common.models.flux2 import Flux2Adapter, Flux2KleinAdapter
+from common.models.hunyuan_video15 import HunyuanVideo15Adapter, HunyuanVideo15ImageToVideoAdapter
 from common.models.kontext import FluxKontextAdapter
 from common.models.qwen_image_edit import QwenImageEditAdapter
 from common.models.wan_i2v import WanImageToVideoAdapter
@@ -30,6 +31,8 @@ DEFAULT_MODEL_PATHS = {
     "wan2.2": "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
     "wan2.2-5b": "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
     "wan2.2-i2v": "Wan-AI/Wan2.2-I2V-A14B-Diffusers",
+    "hunyuan-video-1.5": "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v",  # the pipelines' docstring ids
+    "hunyuan-video-1.5-i2v": "hunyuanvideo-community/HunyuanVideo-1.5-480p_i2v",
     "flux2": "black-forest-labs/FLUX.2-dev",
     "flux2-klein": "black-forest-labs/FLUX.2-klein-base-9B",  # the non-distilled base
     "z-image": "Tongyi-MAI/Z-Image-Turbo",  # the distilled one; Tongyi-MAI/Z-Image is its base
@@ -53,7 +56,8 @@ def resolve_model_path(model: str, model_path: str | None) -> str:
 ADAPTERS = {"flux1": FluxAdapter, "sd3": SD3Adapter, "qwen-image": QwenImageAdapter, "wan": WanAdapter,
             "flux1-kontext": FluxKontextAdapter, "qwen-image-edit": QwenImageEditAdapter,
             "wan-i2v": WanImageToVideoAdapter, "wan2.2": Wan22Adapter, "wan2.2-5b": Wan22TI2VAdapter,
-            "wan2.2-i2v": Wan22ImageToVideoAdapter,
+            "wan2.2-i2v": Wan22ImageToVideoAdapter, "hunyuan-video-1.5": HunyuanVideo15Adapter,
+            "hunyuan-video-1.5-i2v": HunyuanVideo15ImageToVideoAdapter,
             "flux2": Flux2Adapter, "flux2-klein": Flux2KleinAdapter,
             "z-image": ZImageAdapter}
 
