@@ -17,7 +17,7 @@ from common.models import load_adapter
 from common.sampling import sample_generators
 from common.training import add_lora
 from common.utils import UserError
-from conftest import ode_sample, sde_trajectory
+from conftest import ode_sample, sde_trajectory, slow_except
 
 MODELS = ("hunyuan-video-1.5", "hunyuan-video-1.5-i2v")
 RESOLUTION, FRAMES, TEXT, GUIDANCE = 32, 5, 32, 6.0  # 5 frames -> 2 latent frames
@@ -98,17 +98,18 @@ def test_ode_rollout_reproduces_the_pipeline_with_and_without_cfg(adapters, path
         theirs = stock(model, paths[model], records, guidance, 4, [3, 4], "latent")
         torch.testing.assert_close(finals[guidance], theirs, rtol=0, atol=2e-5)
     assert (finals[1.0] - finals[GUIDANCE]).abs().max() > 1e-3  # the guided path was tested
-    videos = adapter.decode(finals[GUIDANCE])
-    theirs = stock(model, paths[model], records, GUIDANCE, 4, [3, 4], "pt")
-    assert videos.shape == theirs.shape == (2, FRAMES, 3, RESOLUTION, RESOLUTION)
-    torch.testing.assert_close(videos, theirs, rtol=0, atol=1e-5)
-    if model.endswith("i2v"):  # the condition image matters: swapped images give other videos
+    if not model.endswith("i2v"):  # one decode path for both
+        videos = adapter.decode(finals[GUIDANCE])
+        theirs = stock(model, paths[model], records, GUIDANCE, 4, [3, 4], "pt")
+        assert videos.shape == theirs.shape == (2, FRAMES, 3, RESOLUTION, RESOLUTION)
+        torch.testing.assert_close(videos, theirs, rtol=0, atol=1e-5)
+    else:  # the condition image matters: swapped images give other videos
         swapped = PromptEncoder(adapter)([Prompt(r.prompt, r.negative_prompt, o.images, o.image_digests)
                                           for r, o in zip(records, records[::-1])])
         assert (ode_sample(adapter, swapped, 4, [3, 4], GUIDANCE) - finals[GUIDANCE]).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", slow_except(MODELS, "hunyuan-video-1.5-i2v"))
 def test_ratio_is_exactly_one_with_cfg(adapters, records, model):
     adapter = adapters[model]
     cond = cond_of(adapter, model, records)
@@ -142,7 +143,7 @@ def test_saved_lora_loads_into_the_stock_transformer_and_reproduces_our_model(pa
     assert (theirs - base).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", slow_except(MODELS, "hunyuan-video-1.5-i2v"))
 def test_cache_equals_online_bitwise(adapters, paths, records, model, tmp_path):
     from accelerate import Accelerator
 

@@ -4,6 +4,7 @@ checkpoints, resume, two processes.) Conditioned models (editing, image-to-video
 with condition images, and the LoRA each script saves must load into the stock diffusers pipeline and change its
 output for a condition image."""
 
+import inspect
 import math
 import runpy
 import sys
@@ -31,10 +32,12 @@ MODELS = {
     # Z-Image wraps each prompt in an 8-token chat template: 32 leaves the prompt room behind it.
     "z-image": ["--resolution", "32", "--max-sequence-length", "32"],
     "wan2.2-i2v": ["--resolution", "32", "--num-frames", "5"],  # 4 steps at shift 5: 2 per expert
+    "hunyuan-video-1.5": ["--resolution", "32", "--num-frames", "5"],
+    "hunyuan-video-1.5-i2v": ["--resolution", "32", "--num-frames", "5"],
 }
-CONDITIONED = {"flux1-kontext", "qwen-image-edit", "wan-i2v", "wan2.2-i2v"}
+CONDITIONED = {"flux1-kontext", "qwen-image-edit", "wan-i2v", "wan2.2-i2v", "hunyuan-video-1.5-i2v"}
 # Text-to-image and -video models whose trained LoRA is also loaded into the stock pipeline (first test prompt).
-STOCK_LORA = {"flux2", "flux2-klein", "z-image", "wan2.2-5b"}  # wan2.2's two files: tests/test_wan22.py
+STOCK_LORA = {"flux2", "flux2-klein", "z-image", "wan2.2-5b", "hunyuan-video-1.5"}  # wan2.2's two files: test_wan22.py
 # Without torchvision, Qwen-Image-Edit's processor is built from its image processor and tokenizer only.
 LAUNCHER = {"qwen-image-edit": [sys.executable, str(REPO / "tests" / "image_only_processor.py")]}
 SMALL = ["--preset", "tiny", "--epochs", "1", "--prompts-per-epoch", "1", "--group-size", "4", "--batch-size", "4",
@@ -91,14 +94,18 @@ def assert_lora_changes_the_stock_pipeline(model, lora, dataset):
     record = load_prompts(dataset, "test")[0]
     pipe = DiffusionPipeline.from_pretrained(str(tiny_model_path(model)))
     pipe.set_progress_bar_config(disable=True)
-    call = dict(prompt=record.prompt, height=32, width=32, num_inference_steps=4, output_type="latent",
-                **PIPELINE_ARGS[model])
+    call = dict(prompt=record.prompt, num_inference_steps=4, output_type="latent", **PIPELINE_ARGS[model])
+    if "height" in inspect.signature(pipe.__call__).parameters:  # HunyuanVideo-1.5 I2V sizes from its image
+        call.update(height=32, width=32)
     if record.images:
         call["image"] = Image.open(record.images[0]).convert("RGB")
     outputs = []
     for lora_path in (None, lora):
-        if lora_path is not None:
+        if lora_path is not None and hasattr(pipe, "load_lora_weights"):
             pipe.load_lora_weights(str(lora_path))
+        elif lora_path is not None:  # HunyuanVideo-1.5's pipelines have no LoRA mixin: into the transformer itself
+            pipe.transformer.load_lora_adapter(str(lora_path), prefix="transformer",
+                                               weight_name="pytorch_lora_weights.safetensors")
         result = pipe(generator=torch.Generator().manual_seed(0), **call)
         outputs.append(result.frames if hasattr(result, "frames") else result.images)
     base, tuned = outputs
@@ -110,6 +117,7 @@ PIPELINE_ARGS = {"flux1-kontext": dict(max_area=32 * 32, _auto_resize=False, max
                  "qwen-image-edit": dict(),
                  "wan-i2v": dict(num_frames=5, max_sequence_length=512),
                  "wan2.2-i2v": dict(num_frames=5, max_sequence_length=16),  # the high-noise expert's LoRA file
+                 "hunyuan-video-1.5": dict(num_frames=5), "hunyuan-video-1.5-i2v": dict(num_frames=5),
                  "flux2": dict(max_sequence_length=64), "flux2-klein": dict(max_sequence_length=32),
                  "z-image": dict(max_sequence_length=32, guidance_scale=0.0),
                  "wan2.2-5b": dict(num_frames=5, max_sequence_length=16)}
