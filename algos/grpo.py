@@ -144,8 +144,8 @@ PRESETS = {
                                    eval_every=20, save_every=20),
     # No RL setting is published for HunyuanVideo-1.5: Flow-Factory's Wan2.2 T2V GRPO example above, carried over
     # unchanged but for the model's own inference settings from the official repo (Tencent-Hunyuan/HunyuanVideo-1.5
-    # README, "Optimal Inference Configurations": CFG 6 and 50 steps for the 480p T2V and I2V models, whose
-    # checkpoints carry the flow shift 5). Square 480² (its 480p buckets are 848×480 and the like; runs are square).
+    # README, "Optimal Inference Configurations": CFG 6 and 50 steps for the 480p T2V and I2V models; its flow shift 5
+    # is the checkpoint scheduler's to set). Square 480² (its 480p buckets are 848×480 and the like; runs are square).
     "hunyuan-video-1.5-flowfactory": dict(model="hunyuan-video-1.5", reward=["pickscore"], advantage_aggregation="gdpo",
                                           resolution=480, num_frames=5, num_steps=10, eval_num_steps=50,
                                           guidance_scale=6.0, noise_level=0.9, sde_window_size=1,
