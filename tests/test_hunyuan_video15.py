@@ -17,7 +17,7 @@ from common.models import load_adapter
 from common.sampling import sample_generators
 from common.training import add_lora
 from common.utils import UserError
-from conftest import ode_sample, sde_trajectory, slow_except
+from conftest import SLOW, ode_sample, sde_trajectory, slow_except
 
 MODELS = ("hunyuan-video-1.5", "hunyuan-video-1.5-i2v")
 RESOLUTION, FRAMES, TEXT, GUIDANCE = 32, 5, 32, 6.0  # 5 frames -> 2 latent frames
@@ -188,3 +188,17 @@ def test_bad_input_is_refused_with_one_line(paths, tmp_path):
         with pytest.raises(UserError, match=message) as error:
             make()
         assert "\n" not in str(error.value)
+
+
+@SLOW
+def test_two_processes_train_the_image_to_video_model(tmp_path):
+    """`--preset tiny` on two processes with the default dataset (data/toy_edit, prompts with condition images)."""
+    from conftest import ACCELERATE_2CPU, read_metrics, run_script
+
+    args = ["--preset", "tiny", "--model", "hunyuan-video-1.5-i2v", "--model-path", "tiny", "--resolution", "32",
+            "--num-frames", "5", "--max-sequence-length", "16", "--epochs", "1", "--prompts-per-epoch", "1",
+            "--group-size", "4", "--batch-size", "2", "--num-steps", "4", "--updates-per-epoch", "1", "--eval-every",
+            "0"]
+    run_script("algos/grpo.py", *args, "--output-dir", tmp_path, launcher=ACCELERATE_2CPU)
+    (metrics,) = read_metrics(tmp_path)
+    assert metrics["num_processes"] == 2 and metrics["grad_norm"] > 0
