@@ -8,8 +8,8 @@ import torch
 from diffusers import ClassifierFreeGuidance, HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
 from PIL import Image
 
-from common.checkpoint import LORA_FILE
 from common.cache import PromptEncoder, build_cache, cache_entries, condition_inputs, fingerprint_inputs, open_cache
+from common.checkpoint import LORA_FILE
 from common.data import Prompt, load_images, load_prompts
 from common.distributed import lora_state_dict
 from common.dynamics import sde_step

@@ -154,8 +154,8 @@ def test_bad_input_and_the_other_wan_checkpoints_are_refused_with_one_line(path,
 
     cases = [(lambda: adapter_of(path, num_frames=6), "num_frames 6 is not 4k \\+ 1"),
              (lambda: adapter_of(path, condition_size=64), "--condition-size 64 differs from --resolution 32"),
-             (lambda: adapter_of(tiny_model_path("wan-i2v")), "is a single-transformer \\(Wan2.1\\) image-to-video "
-                                                              "checkpoint: use --model wan-i2v"),
+             (lambda: adapter_of(tiny_model_path("wan-i2v")),
+              "is a single-transformer \\(Wan2.1\\) image-to-video checkpoint: use --model wan-i2v"),
              (lambda: load_adapter("wan-i2v", str(path), "cpu", torch.float32, RESOLUTION, num_frames=FRAMES),
               "is a Wan2.2 two-expert image-to-video checkpoint: use --model wan2.2-i2v")]
     # A prompt without its first frame: the check setup.py and preprocess.py run before loading anything.
