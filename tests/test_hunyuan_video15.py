@@ -202,3 +202,16 @@ def test_two_processes_train_the_image_to_video_model(tmp_path):
     run_script("algos/grpo.py", *args, "--output-dir", tmp_path, launcher=ACCELERATE_2CPU)
     (metrics,) = read_metrics(tmp_path)
     assert metrics["num_processes"] == 2 and metrics["grad_norm"] > 0
+
+
+def test_count_truncated_counts_the_prompt_after_the_dropped_prefix(adapters):
+    """The pipeline cuts the templated prompt at 108 + max_sequence_length tokens and drops the 108-token prefix: a
+    prompt is cut when its tokens plus the generation prompt's exceed max_sequence_length (the tiny tokenizer has
+    one token per character of an unknown word)."""
+    adapter = adapters["hunyuan-video-1.5"]
+    template = adapter.pipe.tokenizer.apply_chat_template(
+        [[{"role": "system", "content": adapter.pipe.system_message}, {"role": "user", "content": "x"}]],
+        add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"][0]
+    assert adapter.pipe.prompt_template_encode_start_idx == 108
+    room = TEXT - (len(template) - 108 - 1)  # characters of a one-word prompt that still fit
+    assert adapter.count_truncated(["x" * room, "x" * (room + 1), "a cat"]) == 1
