@@ -26,7 +26,7 @@ from accelerate.utils import gather_object
 from common.cache import PromptEncoder, cache_texts, condition_inputs, find_cache
 from common.checkpoint import load_full_state_into, load_lora_state_into, newest_complete_checkpoint
 from common.cli import CONDITIONED_MODELS, AttentionBackend, ModelName, TrainArgs, check_finite, cli_one_line
-from common.data import DEFAULT_DATASET, Prompt, check_conditions, load_prompts
+from common.data import Prompt, check_conditions, default_dataset, load_prompts
 from common.evaluation import evaluate_prompts
 from common.models import ADAPTERS, load_adapter, resolve_model_path
 from common.sampling import sample, sample_generators
@@ -144,7 +144,7 @@ def settings(args: Args, saved: dict | None) -> Namespace:
         if (name in values or name in EVAL_FLAGS) and given and (saved is None or name in EVAL_FLAGS):
             values[name] = value
     values["eval_num_steps"] = values["eval_num_steps"] or values["num_steps"]  # unset: the rollout's steps
-    values["dataset"] = values["dataset"] or DEFAULT_DATASET
+    values["dataset"] = values["dataset"] or default_dataset(values["model"])
     return Namespace(**values)
 
 

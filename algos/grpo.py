@@ -163,6 +163,36 @@ PRESETS = {
                              updates_per_epoch=2, learning_rate=3e-4, weight_decay=1e-4, clip_range=1e-4, kl_beta=0.0,
                              global_std=True, lora_rank=64, lora_alpha=128, gradient_checkpointing=True,
                              eval_every=60, save_every=60),
+    # Flow-Factory publishes no Wan2.2 I2V example: its Wan2.2 T2V GRPO example above, carried over unchanged but
+    # for the CFG, the I2V A14B's own 3.5 for both experts (Wan2.2's wan/configs/wan_i2v_A14B.py: sample_guide_scale
+    # (3.5, 3.5), with sample_shift 5 and boundary 0.9, which the checkpoint's configs carry; the model's default
+    # here). Give --dataset prompts with their first frames ("image").
+    "wan2.2-i2v-flowfactory": dict(model="wan2.2-i2v", reward=["pickscore"], advantage_aggregation="gdpo",
+                                   resolution=480, num_frames=5, num_steps=10, eval_num_steps=28, noise_level=0.9,
+                                   sde_window_size=1, sde_window_range=(1, 4), group_size=16, prompts_per_epoch=48,
+                                   batch_size=1, updates_per_epoch=2, learning_rate=1e-4, weight_decay=1e-4,
+                                   clip_range=1e-4, kl_beta=0.0, global_std=False, lora_rank=64, lora_alpha=128,
+                                   eval_every=20, save_every=20),
+    # No RL setting is published for HunyuanVideo-1.5: Flow-Factory's Wan2.2 T2V GRPO example above, carried over
+    # unchanged but for the model's own inference settings from the official repo (Tencent-Hunyuan/HunyuanVideo-1.5
+    # README, "Optimal Inference Configurations": CFG 6 and 50 steps for the 480p T2V and I2V models; its flow shift 5
+    # is the checkpoint scheduler's to set). Square 480² (its 480p buckets are 848×480 and the like; runs are square).
+    "hunyuan-video-1.5-flowfactory": dict(model="hunyuan-video-1.5", reward=["pickscore"], advantage_aggregation="gdpo",
+                                          resolution=480, num_frames=5, num_steps=10, eval_num_steps=50,
+                                          guidance_scale=6.0, noise_level=0.9, sde_window_size=1,
+                                          sde_window_range=(1, 4), group_size=16, prompts_per_epoch=48, batch_size=1,
+                                          updates_per_epoch=2, learning_rate=1e-4, weight_decay=1e-4,
+                                          clip_range=1e-4, kl_beta=0.0, global_std=False, lora_rank=64,
+                                          lora_alpha=128, eval_every=20, save_every=20),
+    # The same for the 480p I2V model; give --dataset prompts with their first frames ("image").
+    "hunyuan-video-1.5-i2v-flowfactory": dict(model="hunyuan-video-1.5-i2v", reward=["pickscore"],
+                                              advantage_aggregation="gdpo", resolution=480, num_frames=5,
+                                              num_steps=10, eval_num_steps=50, guidance_scale=6.0, noise_level=0.9,
+                                              sde_window_size=1, sde_window_range=(1, 4), group_size=16,
+                                              prompts_per_epoch=48, batch_size=1, updates_per_epoch=2,
+                                              learning_rate=1e-4, weight_decay=1e-4, clip_range=1e-4, kl_beta=0.0,
+                                              global_std=False, lora_rank=64, lora_alpha=128, eval_every=20,
+                                              save_every=20),
 }
 
 

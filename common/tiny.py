@@ -5,6 +5,7 @@ then loads it through the ordinary `from_pretrained` path, exactly like a real c
 random (seeded) and tokenizers are built in memory, so nothing is downloaded.
 """
 
+import inspect
 import os
 import shutil
 import string
@@ -198,6 +199,18 @@ def _qwen2_tokenizer(vocab: dict[str, int], merges: list, image_token: bool):
     return tokenizer
 
 
+def _merge_into_single_tokens(vocab: dict[str, int], merges: list[tuple[str, str]], words) -> None:
+    """Extend a byte-level BPE (in place) until each of `words` (pre-tokenized, byte-level) is one token: merge the
+    first two pieces BPE leaves until one remains. New merges rank last, so they never change how an earlier word is
+    split."""
+    from tokenizers.models import BPE
+
+    for word in dict.fromkeys(words):
+        while len(pieces := [t.value for t in BPE(vocab=vocab, merges=merges).tokenize(word)]) > 1:
+            merges.append((pieces[0], pieces[1]))
+            vocab.setdefault(pieces[0] + pieces[1], len(vocab))
+
+
 def tiny_qwen2_tokenizer():
     """A byte-level BPE Qwen2 tokenizer: the 256 byte symbols, merges that make each word of the Qwen-Image
     chat template a single token (as in the real vocabulary), and the chat/vision special tokens."""
@@ -214,18 +227,12 @@ def _qwen2_tokenizer_with_words(text: str):
     import json
     import re
 
-    from tokenizers.models import BPE
-
     base = tiny_qwen2_tokenizer()
     model = json.loads(base.backend_tokenizer.to_str())["model"]
     vocab, merges = dict(model["vocab"]), [tuple(pair) for pair in model["merges"]]
     chunks = re.split("|".join(map(re.escape, _QWEN_SPECIALS)), text)
     words = [w for chunk in chunks for w, _ in base.backend_tokenizer.pre_tokenizer.pre_tokenize_str(chunk)]
-    for word in dict.fromkeys(words):
-        # Merge the first two pieces BPE leaves until one remains.
-        while len(pieces := [t.value for t in BPE(vocab=vocab, merges=merges).tokenize(word)]) > 1:
-            merges.append((pieces[0], pieces[1]))
-            vocab.setdefault(pieces[0] + pieces[1], len(vocab))
+    _merge_into_single_tokens(vocab, merges, words)
     return _qwen2_tokenizer(vocab, merges, image_token=True)
 
 
@@ -306,7 +313,7 @@ def _build_qwen_image(path: Path) -> None:
 def _build_wan(path: Path) -> None:
     """Wan2.1-T2V-like: UMT5 encoder, the Wan 3D causal VAE (8x spatial, 4x temporal), the Wan DiT and the
     real checkpoint's UniPC flow scheduler (flow_shift 3)."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
     tokenizer = tiny_t5_tokenizer(max_length=512)
@@ -315,10 +322,7 @@ def _build_wan(path: Path) -> None:
         UMT5Config(vocab_size=len(tokenizer), d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
                    relative_attention_num_buckets=8)
     )
-    vae = AutoencoderKLWan(
-        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
-        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 2.5, 1.0],
-    )
+    vae = _tiny_wan_vae()
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
         text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=64,
@@ -327,6 +331,16 @@ def _build_wan(path: Path) -> None:
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae,
                        scheduler=scheduler)
     pipe.save_pretrained(path, safe_serialization=True)
+
+
+def _tiny_wan_vae():
+    """The Wan2.1 3D causal VAE (8x spatial, 4x temporal) with 4 latent channels and non-trivial statistics."""
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(
+        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 2.5, 1.0],
+    )
 
 
 def _tiny_umt5(tokenizer):
@@ -340,15 +354,12 @@ def _build_wan22(path: Path) -> None:
     """Wan2.2-T2V-A14B-like: `_build_wan`'s UMT5 and Wan2.1 VAE, two transformers of one config (the high-noise
     `transformer` and the low-noise `transformer_2`, initialised differently) and the real pipeline's
     boundary_ratio 0.875; the UniPC flow schedule at shift 3 puts steps on both sides of the boundary."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 
     tokenizer = tiny_t5_tokenizer(max_length=512)
     torch.manual_seed(TINY_SEED)
     text_encoder = _tiny_umt5(tokenizer)
-    vae = AutoencoderKLWan(
-        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
-        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 2.5, 1.0],
-    )
+    vae = _tiny_wan_vae()
     experts = [WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
         text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=64,
@@ -418,7 +429,7 @@ def _build_wan_i2v(path: Path) -> None:
     """Wan2.1-I2V-like: `_build_wan`'s UMT5 and VAE, a CLIP vision encoder whose penultimate hidden states feed
     the transformer's image projection (image_dim), and a transformer that takes the noise, the first-frame mask
     (one channel per frame of a latent frame: 4) and the condition latents: in_channels = 2·z_dim + 4."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+    from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
     from transformers import (CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config,
                               UMT5EncoderModel)
 
@@ -435,10 +446,7 @@ def _build_wan_i2v(path: Path) -> None:
     )
     # The real checkpoint's preprocessing (CLIP mean/std, shortest-edge resize, centre crop) at 32 pixels.
     image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    vae = AutoencoderKLWan(
-        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
-        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 2.5, 1.0],
-    )
+    vae = _tiny_wan_vae()
     # added_kv_proj_dim = the inner dim (as in the 14B model): the image tokens are projected to it first.
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=2 * 4 + 4, out_channels=4,
@@ -450,6 +458,115 @@ def _build_wan_i2v(path: Path) -> None:
                                    image_processor=image_processor, transformer=transformer, vae=vae,
                                    scheduler=scheduler)
     pipe.save_pretrained(path, safe_serialization=True)
+
+
+def _build_wan22_i2v(path: Path) -> None:
+    """Wan2.2-I2V-A14B-like: `_build_wan`'s UMT5 and VAE, no CLIP image encoder, two transformers of one config
+    without an image projection that take the noise, the first-frame mask (4) and the condition latents
+    (in_channels = 2·z_dim + 4, as the real 36 = 2·16 + 4), the A14B I2V boundary 0.9 and sample shift 5 (Wan2.2's
+    wan/configs/wan_i2v_A14B.py) as boundary_ratio and UniPC flow shift: 4 steps put two timesteps on each side of
+    the boundary (999, 937 | 833, 625)."""
+    from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+
+    tokenizer = tiny_t5_tokenizer(max_length=512)
+    torch.manual_seed(TINY_SEED)
+    text_encoder = _tiny_umt5(tokenizer)
+    vae = _tiny_wan_vae()
+    experts = [WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=2 * 4 + 4, out_channels=4,
+        text_dim=32, freq_dim=32, ffn_dim=32, num_layers=1, rope_max_seq_len=64,
+    ) for _ in range(2)]
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
+    pipe = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=experts[0],
+                                   transformer_2=experts[1], vae=vae, scheduler=scheduler, boundary_ratio=0.9)
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
+# Qwen2.5's chat template, as HunyuanVideo15Pipeline formats each prompt (a system turn, the user turn, the generation
+# prompt), without the tool and vision branches the text-to-video path never reaches.
+_QWEN25_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _tiny_hunyuan_video15_components():
+    """HunyuanVideo-1.5's text side and VAE at tiny width: a 3-layer Qwen2.5-VL text model (the pipeline reads its
+    third-to-last hidden state) behind Qwen2.5's chat template, whose byte-level tokenizer makes each word of the
+    pipeline's system prompt one token (as the real vocabulary does for most of them); ByT5 (the real byte tokenizer,
+    which needs no files) with a 2-layer T5 encoder for the quoted glyph text; the 16× spatial, 4× temporal
+    AutoencoderKLHunyuanVideo15 with 4 latent channels; FlowMatchEuler at the 480p models' flow shift 5."""
+    from diffusers import AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
+    from transformers import (ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, Qwen2Tokenizer, T5Config,
+                              T5EncoderModel)
+
+    # The pipeline's system prompt: its encoder's default argument (the pipeline sets the same text in __init__).
+    system = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters["system_message"].default
+    base = tiny_qwen2_tokenizer()
+    vocab, merges = _byte_level_bpe(_QWEN_TEMPLATE_WORDS)
+    _merge_into_single_tokens(vocab, merges, [w for text in (system, "system user assistant")
+                                              for w, _ in base.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)])
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    for token in specials:
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, additional_special_tokens=specials[1:],
+                               model_max_length=4096)
+    tokenizer.chat_template = _QWEN25_CHAT_TEMPLATE
+    ids = tokenizer.convert_tokens_to_ids
+    torch.manual_seed(TINY_SEED)
+    text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=4096, rope_theta=1e6,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>")))
+    tokenizer_2 = ByT5Tokenizer()
+    text_encoder_2 = T5EncoderModel(T5Config(vocab_size=len(tokenizer_2), d_model=16, d_ff=32, d_kv=8, num_heads=2,
+                                             num_layers=2, relative_attention_num_buckets=8))
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1,
+                                      spatial_compression_ratio=16, temporal_compression_ratio=4)
+    return dict(text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2,
+                tokenizer_2=tokenizer_2, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0))
+
+
+def _build_hunyuan_video15(path: Path) -> None:
+    """HunyuanVideo-1.5 480p T2V-like: `_tiny_hunyuan_video15_components` and a 1-block HunyuanVideo-1.5 DiT (one
+    token-refiner layer) that takes [noise, condition latents, mask] (in_channels = 2·4 + 1, as the real 65 = 2·32 + 1)
+    and the three context streams (Qwen text, ByT5 glyphs, SigLIP-width image tokens, all zero for text-to-video),
+    and the pipeline's ClassifierFreeGuidance at the published scale 6."""
+    from diffusers import ClassifierFreeGuidance, HunyuanVideo15Pipeline
+
+    components = _tiny_hunyuan_video15_components()
+    pipe = HunyuanVideo15Pipeline(transformer=_tiny_hunyuan_video15_transformer("t2v"),
+                                  guider=ClassifierFreeGuidance(guidance_scale=6.0), **components)
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
+def _build_hunyuan_video15_i2v(path: Path) -> None:
+    """HunyuanVideo-1.5 480p I2V-like: the T2V tiny's components and transformer config (task_type i2v), and a
+    1-layer SigLIP vision tower (32 px in 8 px patches: 16 image tokens; the real 384 px in 14 px patches gives 729)
+    whose width is the transformer's image_embed_dim, with SigLIP's own preprocessing at 32 px."""
+    from diffusers import ClassifierFreeGuidance, HunyuanVideo15ImageToVideoPipeline
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    components = _tiny_hunyuan_video15_components()
+    image_encoder = SiglipVisionModel(SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                         num_attention_heads=2, image_size=32, patch_size=8))
+    pipe = HunyuanVideo15ImageToVideoPipeline(
+        transformer=_tiny_hunyuan_video15_transformer("i2v"), guider=ClassifierFreeGuidance(guidance_scale=6.0),
+        image_encoder=image_encoder, feature_extractor=SiglipImageProcessor(size={"height": 32, "width": 32}),
+        **components)
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
+def _tiny_hunyuan_video15_transformer(task_type: str):
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    # head_dim 16 = sum(rope_axes_dim), as 128 = 16 + 56 + 56; target_size 32: the I2V bucket of a square image
+    return HunyuanVideo15Transformer3DModel(
+        in_channels=2 * 4 + 1, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=1,
+        num_refiner_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1, text_embed_dim=32, text_embed_2_dim=16,
+        image_embed_dim=16, rope_axes_dim=(4, 6, 6), target_size=32, task_type=task_type)
 
 
 # A Qwen3-style chat template: ZImagePipeline formats every prompt as one user turn with a generation prompt and
@@ -741,6 +858,8 @@ def _build_ltx2(path: Path) -> None:
 TINY_BUILDERS = {"flux1": _build_flux1, "sd3": _build_sd3, "qwen-image": _build_qwen_image, "wan": _build_wan,
                  "flux1-kontext": _build_flux1_kontext, "qwen-image-edit": _build_qwen_image_edit,
                  "wan-i2v": _build_wan_i2v, "wan2.2": _build_wan22, "wan2.2-5b": _build_wan22_5b,
+                 "wan2.2-i2v": _build_wan22_i2v, "hunyuan-video-1.5": _build_hunyuan_video15,
+                 "hunyuan-video-1.5-i2v": _build_hunyuan_video15_i2v,
                  "z-image": _build_z_image,
                  "flux2": _build_flux2, "flux2-klein": _build_flux2_klein, "qwen-image-2.1": _build_qwen_image21,
                  "ltx2": _build_ltx2}

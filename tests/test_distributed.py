@@ -26,6 +26,10 @@ BLOCKS = {  # the diffusers block classes each model's FSDP2 config wraps
     "wan2.2-5b": ("WanTransformer3DModel", {"WanTransformerBlock"}),
     "qwen-image-2.1": ("QwenImage21Transformer2DModel", {"QwenImage21TransformerBlock"}),
     "ltx2": ("LTX2VideoTransformer3DModel", {"LTX2VideoTransformerBlock"}),
+    "wan2.2-i2v": ("WanTransformer3DModel", {"WanTransformerBlock"}),
+    **{model: ("HunyuanVideo15Transformer3DModel", {"HunyuanVideo15TransformerBlock", "HunyuanVideo15PatchEmbed",
+                                                    "HunyuanVideo15TokenRefiner"})
+       for model in ("hunyuan-video-1.5", "hunyuan-video-1.5-i2v")},
 }
 SKIP = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflops", "mfu", "peak_memory_gb"}
 

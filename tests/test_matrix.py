@@ -4,6 +4,7 @@ checkpoints, resume, two processes.) Conditioned models (editing, image-to-video
 with condition images, and the LoRA each script saves must load into the stock diffusers pipeline and change its
 output for a condition image."""
 
+import inspect
 import math
 import runpy
 
@@ -22,8 +23,8 @@ MODELS = {
     "wan2.2-5b": ["--resolution", "32", "--num-frames", "5"],
     "flux1-kontext": ["--resolution", "32", "--condition-size", "32"],
     "qwen-image-edit": ["--resolution", "32", "--condition-size", "32"],
-    # Wan2.1 I2V's attention takes the last 512 context tokens as the text: its text length is fixed at 512.
-    "wan-i2v": ["--resolution", "32", "--num-frames", "5", "--max-sequence-length", "512"],
+    # Wan2.1 I2V's attention takes the last 512 context tokens as the text: the adapter pads the 16 to 512.
+    "wan-i2v": ["--resolution", "32", "--num-frames", "5"],
     # FLUX.2's system prompt and template take 37 tiny tokens, klein's template 14: room for the prompt behind them.
     "flux2": ["--resolution", "32", "--max-sequence-length", "64"],
     "flux2-klein": ["--resolution", "32", "--max-sequence-length", "32"],
@@ -34,11 +35,14 @@ MODELS = {
     # LTX-2's audio and video in one latent: the toy loudness reward scores the sound beside JPEG on the frames.
     "ltx2": ["--resolution", "32", "--num-frames", "9", "--reward", "audio_loudness,target=0.1", "--reward",
              "jpeg_compressibility"],
+    "wan2.2-i2v": ["--resolution", "32", "--num-frames", "5"],  # 4 steps at shift 5: 2 per expert
+    "hunyuan-video-1.5": ["--resolution", "32", "--num-frames", "5"],
+    "hunyuan-video-1.5-i2v": ["--resolution", "32", "--num-frames", "5"],
 }
 AUDIO = {"ltx2"}  # their runs log the audio reward and write each evaluation sample's sound beside the grid
-CONDITIONED = {"flux1-kontext", "qwen-image-edit", "wan-i2v", "qwen-image-2.1"}
+CONDITIONED = {"flux1-kontext", "qwen-image-edit", "wan-i2v", "qwen-image-2.1", "wan2.2-i2v", "hunyuan-video-1.5-i2v"}
 # Text-to-image and -video models whose trained LoRA is also loaded into the stock pipeline (first test prompt).
-STOCK_LORA = {"flux2", "flux2-klein", "z-image", "wan2.2-5b"}  # wan2.2's two files: tests/test_wan22.py
+STOCK_LORA = {"flux2", "flux2-klein", "z-image", "wan2.2-5b", "hunyuan-video-1.5"}  # wan2.2's two files: test_wan22.py
 SMALL = ["--preset", "tiny", "--epochs", "1", "--prompts-per-epoch", "1", "--group-size", "4", "--batch-size", "4",
          "--eval-every", "1", "--eval-num-prompts", "1", "--max-sequence-length", "16"]
 STEPS = {"grpo": ["--num-steps", "4", "--updates-per-epoch", "1"],
@@ -95,14 +99,18 @@ def assert_lora_changes_the_stock_pipeline(model, lora, dataset):
     record = load_prompts(dataset, "test")[0]
     pipe = DiffusionPipeline.from_pretrained(str(tiny_model_path(model)))
     pipe.set_progress_bar_config(disable=True)
-    call = dict(prompt=record.prompt, height=32, width=32, num_inference_steps=4, output_type="latent",
-                **PIPELINE_ARGS[model])
+    call = dict(prompt=record.prompt, num_inference_steps=4, output_type="latent", **PIPELINE_ARGS[model])
+    if "height" in inspect.signature(pipe.__call__).parameters:  # HunyuanVideo-1.5 I2V sizes from its image
+        call.update(height=32, width=32)
     if record.images:
         call["image"] = Image.open(record.images[0]).convert("RGB")
     outputs = []
     for lora_path in (None, lora):
-        if lora_path is not None:
+        if lora_path is not None and hasattr(pipe, "load_lora_weights"):
             pipe.load_lora_weights(str(lora_path))
+        elif lora_path is not None:  # HunyuanVideo-1.5's pipelines have no LoRA mixin: into the transformer itself
+            pipe.transformer.load_lora_adapter(str(lora_path), prefix="transformer",
+                                               weight_name="pytorch_lora_weights.safetensors")
         result = pipe(generator=torch.Generator().manual_seed(0), **call)
         outputs.append(result.frames if hasattr(result, "frames") else result.images)
     base, tuned = outputs
@@ -113,6 +121,8 @@ def assert_lora_changes_the_stock_pipeline(model, lora, dataset):
 PIPELINE_ARGS = {"flux1-kontext": dict(max_area=32 * 32, _auto_resize=False, max_sequence_length=16),
                  "qwen-image-edit": dict(), "qwen-image-2.1": dict(output_resolution=32),
                  "wan-i2v": dict(num_frames=5, max_sequence_length=512),
+                 "wan2.2-i2v": dict(num_frames=5, max_sequence_length=16),  # the high-noise expert's LoRA file
+                 "hunyuan-video-1.5": dict(num_frames=5), "hunyuan-video-1.5-i2v": dict(num_frames=5),
                  "flux2": dict(max_sequence_length=64), "flux2-klein": dict(max_sequence_length=32),
                  "z-image": dict(max_sequence_length=32, guidance_scale=0.0),
                  "wan2.2-5b": dict(num_frames=5, max_sequence_length=16),
