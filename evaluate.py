@@ -26,11 +26,11 @@ from accelerate.utils import gather_object
 from common.cache import PromptEncoder, cache_texts, condition_inputs, find_cache
 from common.checkpoint import load_full_state_into, load_lora_state_into, newest_complete_checkpoint
 from common.cli import CONDITIONED_MODELS, AttentionBackend, ModelName, TrainArgs, check_finite, cli_one_line
-from common.data import DEFAULT_DATASET, Prompt, check_conditions, load_prompts
+from common.data import Prompt, check_conditions, default_dataset, load_prompts
 from common.evaluation import evaluate_prompts
 from common.models import ADAPTERS, load_adapter, resolve_model_path
 from common.sampling import sample, sample_generators
-from common.scoring import check_video_rewards
+from common.scoring import check_audio_rewards, check_video_rewards
 from common.tracking import format_metrics, save_image_grid
 from common.training import EMA, add_lora, trainable_parameters
 from common.utils import UserError, install_user_error_hook, quiet_libraries, resolve_dtype, write_text_atomic
@@ -144,7 +144,7 @@ def settings(args: Args, saved: dict | None) -> Namespace:
         if (name in values or name in EVAL_FLAGS) and given and (saved is None or name in EVAL_FLAGS):
             values[name] = value
     values["eval_num_steps"] = values["eval_num_steps"] or values["num_steps"]  # unset: the rollout's steps
-    values["dataset"] = values["dataset"] or DEFAULT_DATASET
+    values["dataset"] = values["dataset"] or default_dataset(values["model"])
     return Namespace(**values)
 
 
@@ -396,6 +396,7 @@ def main() -> None:
         adapter, encode, test = load_model(s, accelerator, test)
         rewards = load_run_rewards(s)
         check_video_rewards(rewards, s.model, ADAPTERS[s.model].video)
+        check_audio_rewards(rewards, s.model, ADAPTERS[s.model].audio)
         judge = benchmark_judge(rewards, args.benchmark) if records is not None else None
         model, scoring = (s, adapter, encode), (rewards, test, judge, records, accelerator)
         if folder is None or (args.base and k == 0):  # before the checkpoint goes into the same transformer

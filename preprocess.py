@@ -14,7 +14,7 @@ from accelerate import Accelerator
 from common.cache import (build_cache, cache_entries, condition_inputs, default_cache_root, fingerprint_inputs,
                           open_cache)
 from common.cli import ModelName, parse_args
-from common.data import DEFAULT_DATASET, check_conditions, load_prompts
+from common.data import check_conditions, load_prompts
 from common.models import ADAPTERS, load_adapter, resolve_model_path
 from common.utils import UserError, resolve_dtype
 
@@ -25,8 +25,8 @@ class Args:
     """model family"""
     model_path: str | None = None
     """hub id or local folder of the pipeline; `tiny` or `toy` for the offline ones (unset: the published model)"""
-    dataset: str = DEFAULT_DATASET
-    """folder with train/test .jsonl or .txt prompt files"""
+    dataset: str | None = None
+    """folder with train/test .jsonl or .txt prompt files (unset: the training scripts' default for --model)"""
     cache_dir: str | None = None
     """root folder of embedding caches (unset: $FLOWRL_CACHE/embeddings, where training looks)"""
     max_sequence_length: int = 512

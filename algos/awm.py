@@ -208,7 +208,7 @@ if __name__ == "__main__":
                                                    args.advantage_aggregation, args.global_std, args.adv_clip_max)
         # Every sample is trained, as AWM's reference does: A = 0 samples still carry the KL and EMA-KL terms.
         keep = trained_samples(adv_stats, keep_zero_advantage=not args.drop_zero_advantage)
-        plan = plan_micro_batches(keep, run.accelerator.num_processes, run.accelerator.process_index,
+        plan = plan_micro_batches(keep, run.data.num_processes, run.data.process_index,
                                   args.batch_size, args.updates_per_epoch)
         advantages = (advantages[run.local] / args.adv_clip_max).to(device)  # AWM scales A into [−1, 1]
         reward_time = time.time() - reward_start

@@ -203,7 +203,7 @@ if __name__ == "__main__":
     adapter, sigmas, guidance, device = run.adapter, run.sigmas, run.guidance, run.device
     old, sampler = run.shadows["old"], run.shadows["sampler"]
     kl_cfg = args.kl_cfg if args.kl_cfg is not None else adapter.default_guidance_scale
-    num_train, world = args.train_timesteps, run.accelerator.num_processes
+    num_train, world = args.train_timesteps, run.data.num_processes
     if args.time_sampling not in ("discrete", "discrete_wo_init") or not eligible_steps(sigmas, args.timestep_range,
                                                                                        args.time_sampling):
         check_time_sampling(args.time_sampling, num_train, sigmas, args.timestep_range)
@@ -247,7 +247,7 @@ if __name__ == "__main__":
         all_raw, all_ids = score_epoch(run, scoring)
         advantages, adv_stats = compute_advantages(all_raw, [r.weight for r in run.rewards], all_ids,
                                                    args.advantage_aggregation, args.global_std, args.adv_clip_max)
-        plan = plan_micro_batches(torch.ones_like(advantages, dtype=torch.bool), world, run.accelerator.process_index,
+        plan = plan_micro_batches(torch.ones_like(advantages, dtype=torch.bool), world, run.data.process_index,
                                   args.batch_size, args.updates_per_epoch)
         # NFT's optimality probability (A = 0 -> ½); centred per group in crd_loss.
         r_hat = ((advantages.clamp(-args.adv_clip_max, args.adv_clip_max) / args.adv_clip_max) / 2 + 0.5).clamp(0, 1)

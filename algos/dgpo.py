@@ -183,7 +183,7 @@ if __name__ == "__main__":
     # ema_ref: a second LoRA adapter (or a frozen copy when fully fine-tuning), equal to θ at the start.
     run = setup(args, load_run_rewards(args), shadows=("ema_ref",), reference_copy=need_ref)
     adapter, sigmas, device, ema_ref = run.adapter, run.sigmas, run.device, run.shadows["ema_ref"]
-    world, size, num_train = run.accelerator.num_processes, args.group_size, args.train_timesteps
+    world, size, num_train = run.data.num_processes, args.group_size, args.train_timesteps
     if args.prompts_per_epoch % world:
         raise UserError(f"--prompts-per-epoch {args.prompts_per_epoch} must be a multiple of the {world} processes "
                         f"(each holds whole groups)")
@@ -229,7 +229,7 @@ if __name__ == "__main__":
         advantages, adv_stats = compute_advantages(all_raw, [r.weight for r in run.rewards], all_ids,
                                                    args.advantage_aggregation, args.global_std, args.adv_clip_max)
         # Every sample is kept (A = 0 weighs 0); micro-batches of whole groups, one optimizer step per epoch.
-        plan = plan_micro_batches(torch.ones_like(advantages, dtype=torch.bool), world, run.accelerator.process_index,
+        plan = plan_micro_batches(torch.ones_like(advantages, dtype=torch.bool), world, run.data.process_index,
                                   train_batch, 1)
         advantages = advantages[run.local].float().to(device)
         reward_time = time.time() - reward_start

@@ -7,7 +7,6 @@
 # one process; T logit-normal (σ, ε) draws shared by each pair; the reference (adapters disabled) in every term;
 # optionally a reference that is refreshed from θ and samples (--ref-update-every). Math: docs/algorithms.md §7.
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from common.advantages import best_worst_pairs, compute_advantages
-from common.cli import TrainArgs, parse_args
+from common.cli import TrainArgs, launched_data_ranks, parse_args
 from common.data import epoch_samples
 from common.distributed import micro_step
 from common.sampling import sample, sample_generators
@@ -147,14 +146,14 @@ if __name__ == "__main__":
         raise UserError(f"--ref-update-every must be >= 0 (0: never), got {args.ref_update_every}")
     if args.dynamics == "cps" and not 0 <= args.noise_level <= 1:
         raise UserError(f"--dynamics cps needs --noise-level in [0, 1], got {args.noise_level}")
-    check_whole_groups(args.prompts_per_epoch, int(os.environ.get("WORLD_SIZE", "1")))  # the launchers' count, early
+    check_whole_groups(args.prompts_per_epoch, launched_data_ranks(args))  # the launchers' count, early
     # The reference: adapters disabled (a frozen copy when fully fine-tuning), or with --ref-update-every a shadow
     # of θ (a second LoRA adapter or a copy) that is refreshed from θ and also samples.
     online_ref = args.ref_update_every > 0
     run = setup(args, load_run_rewards(args), shadows=("ref",) if online_ref else (),
                 reference_copy=not online_ref, cfg_free=True)
     adapter, sigmas, guidance, device = run.adapter, run.sigmas, run.guidance, run.device
-    world, rank = run.accelerator.num_processes, run.accelerator.process_index
+    world, rank = run.data.num_processes, run.data.process_index
     check_whole_groups(args.prompts_per_epoch, world)  # the count that runs
     reference = run.shadows["ref"] if online_ref else run.reference
     sampler = reference.velocity if online_ref else torch.no_grad()(adapter.velocity)
@@ -251,7 +250,7 @@ if __name__ == "__main__":
         metrics = epoch_metrics(run, epoch, all_raw, {"grad_norm": grad_norms},
                                 {"rollout_time_s": rollout_time, "reward_time_s": reward_time,
                                  "train_time_s": time.time() - train_start})
-        sums = run.accelerator.reduce(sums, "sum")
+        sums = run.data.reduce(sums, "sum")
         if sums[-1] > 0:  # no key when no group of the epoch gave a pair (a padding-only, zero-gradient step)
             metrics.update({key: float(sums[k] / sums[-1]) for k, key in enumerate(STAT_KEYS)})
         if num_pairs:

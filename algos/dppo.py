@@ -200,7 +200,7 @@ if __name__ == "__main__":
                                                    args.advantage_aggregation, args.global_std, args.adv_clip_max)
         # A group whose K rewards are equal (A = 0) has no policy gradient: drop it, keeping equal micro-step counts.
         keep = trained_samples(adv_stats, args.keep_zero_advantage)
-        plan = plan_micro_batches(keep, run.accelerator.num_processes, run.accelerator.process_index,
+        plan = plan_micro_batches(keep, run.data.num_processes, run.data.process_index,
                                   args.batch_size, args.updates_per_epoch)
         advantages = advantages[run.local].float().to(device)
         reward_time = time.time() - reward_start

@@ -144,6 +144,60 @@ PRESETS = {
                                   batch_size=1, updates_per_epoch=2, learning_rate=1e-4, weight_decay=1e-4,
                                   clip_range=1e-4, kl_beta=0.0, global_std=False, lora_rank=64, lora_alpha=128,
                                   eval_every=20, save_every=20),
+    # No RL setting for Qwen-Image 2.1 is published: Flow-Factory's Z-Image GRPO example above (the closest
+    # single-stream model's) at 2.1's own inference settings from its model card and official README
+    # (QwenLM/Qwen-Image-2.1): no CFG (guidance 1, the model's default here) and
+    # 40 sampling steps for evaluation. Text-to-image on the default prompts; a dataset with "image" fields makes it
+    # the same setting for editing.
+    "qwen-image-2.1-flowfactory": dict(model="qwen-image-2.1", reward=["pickscore"], advantage_aggregation="gdpo",
+                                       resolution=512, num_steps=10, eval_num_steps=40, noise_level=0.7,
+                                       sde_window_size=1, sde_window_range=(1, 4), group_size=16,
+                                       prompts_per_epoch=48, batch_size=1, updates_per_epoch=2, learning_rate=3e-4,
+                                       weight_decay=1e-4, clip_range=1e-4, kl_beta=0.0, lora_rank=64,
+                                       lora_alpha=128, eval_every=20, save_every=20),
+    # Flow-Factory's LTX-2 text-to-audio-video GRPO example (examples/grpo/lora/ltx2/t2av.yaml): LoRA r64/α128, 121
+    # frames at 24 fps, 24 rollout steps without CFG (guidance 1, its spatio-temporal and modality guidance off, as
+    # here), CPS η 0.8 on 3 steps within steps 0–9, group 16, 48 prompts, 2 updates, clip 1e-4, no KL, lr 3e-4,
+    # weight decay 1e-4, global std, GDPO aggregation. Not carried over: its 512×768 (square 512 here), its CLAP
+    # audio-text and ImageBind audio-video rewards (PickScore on the frames instead: give an audio reward with
+    # --reward), its EMA every 4 epochs and its 50-step evaluation at guidance 4.
+    "ltx2-flowfactory": dict(model="ltx2", reward=["pickscore"], advantage_aggregation="gdpo", resolution=512,
+                             num_frames=121, max_sequence_length=1024, num_steps=24, eval_num_steps=24,
+                             guidance_scale=1.0, dynamics="cps", noise_level=0.8, sde_window_size=3,
+                             sde_window_range=(0, 10), group_size=16, prompts_per_epoch=48, batch_size=1,
+                             updates_per_epoch=2, learning_rate=3e-4, weight_decay=1e-4, clip_range=1e-4, kl_beta=0.0,
+                             global_std=True, lora_rank=64, lora_alpha=128, gradient_checkpointing=True,
+                             eval_every=60, save_every=60),
+    # Flow-Factory publishes no Wan2.2 I2V example: its Wan2.2 T2V GRPO example above, carried over unchanged but
+    # for the CFG, the I2V A14B's own 3.5 for both experts (Wan2.2's wan/configs/wan_i2v_A14B.py: sample_guide_scale
+    # (3.5, 3.5), with sample_shift 5 and boundary 0.9, which the checkpoint's configs carry; the model's default
+    # here). Give --dataset prompts with their first frames ("image").
+    "wan2.2-i2v-flowfactory": dict(model="wan2.2-i2v", reward=["pickscore"], advantage_aggregation="gdpo",
+                                   resolution=480, num_frames=5, num_steps=10, eval_num_steps=28, noise_level=0.9,
+                                   sde_window_size=1, sde_window_range=(1, 4), group_size=16, prompts_per_epoch=48,
+                                   batch_size=1, updates_per_epoch=2, learning_rate=1e-4, weight_decay=1e-4,
+                                   clip_range=1e-4, kl_beta=0.0, global_std=False, lora_rank=64, lora_alpha=128,
+                                   eval_every=20, save_every=20),
+    # No RL setting is published for HunyuanVideo-1.5: Flow-Factory's Wan2.2 T2V GRPO example above, carried over
+    # unchanged but for the model's own inference settings from the official repo (Tencent-Hunyuan/HunyuanVideo-1.5
+    # README, "Optimal Inference Configurations": CFG 6 and 50 steps for the 480p T2V and I2V models; its flow shift 5
+    # is the checkpoint scheduler's to set). Square 480² (its 480p buckets are 848×480 and the like; runs are square).
+    "hunyuan-video-1.5-flowfactory": dict(model="hunyuan-video-1.5", reward=["pickscore"], advantage_aggregation="gdpo",
+                                          resolution=480, num_frames=5, num_steps=10, eval_num_steps=50,
+                                          guidance_scale=6.0, noise_level=0.9, sde_window_size=1,
+                                          sde_window_range=(1, 4), group_size=16, prompts_per_epoch=48, batch_size=1,
+                                          updates_per_epoch=2, learning_rate=1e-4, weight_decay=1e-4,
+                                          clip_range=1e-4, kl_beta=0.0, global_std=False, lora_rank=64,
+                                          lora_alpha=128, eval_every=20, save_every=20),
+    # The same for the 480p I2V model; give --dataset prompts with their first frames ("image").
+    "hunyuan-video-1.5-i2v-flowfactory": dict(model="hunyuan-video-1.5-i2v", reward=["pickscore"],
+                                              advantage_aggregation="gdpo", resolution=480, num_frames=5,
+                                              num_steps=10, eval_num_steps=50, guidance_scale=6.0, noise_level=0.9,
+                                              sde_window_size=1, sde_window_range=(1, 4), group_size=16,
+                                              prompts_per_epoch=48, batch_size=1, updates_per_epoch=2,
+                                              learning_rate=1e-4, weight_decay=1e-4, clip_range=1e-4, kl_beta=0.0,
+                                              global_std=False, lora_rank=64, lora_alpha=128, eval_every=20,
+                                              save_every=20),
 }
 
 
@@ -214,7 +268,7 @@ if __name__ == "__main__":
                                                    args.advantage_aggregation, args.global_std, args.adv_clip_max)
         # A group whose K rewards are equal (A = 0) has no policy gradient: drop it, keeping equal micro-step counts.
         keep = trained_samples(adv_stats, args.keep_zero_advantage)
-        plan = plan_micro_batches(keep, run.accelerator.num_processes, run.accelerator.process_index,
+        plan = plan_micro_batches(keep, run.data.num_processes, run.data.process_index,
                                   args.batch_size, args.updates_per_epoch)
         advantages = advantages[run.local].float().to(device)
         reward_time = time.time() - reward_start

@@ -187,8 +187,8 @@ if __name__ == "__main__":
         all_raw, all_ids = score_epoch(run, scoring)
         advantages, adv_stats = compute_advantages(all_raw, [r.weight for r in run.rewards], all_ids,
                                                    args.advantage_aggregation, args.global_std, args.adv_clip_max)
-        plan = plan_micro_batches(torch.ones_like(advantages, dtype=torch.bool), run.accelerator.num_processes,
-                                  run.accelerator.process_index, args.batch_size, args.updates_per_epoch)
+        plan = plan_micro_batches(torch.ones_like(advantages, dtype=torch.bool), run.data.num_processes,
+                                  run.data.process_index, args.batch_size, args.updates_per_epoch)
         advantages = advantages[run.local].float().to(device)
         reward_time = time.time() - reward_start
 

@@ -306,8 +306,8 @@ if __name__ == "__main__":
         # ---- 3. rewards, only logged (per task too); every sample is trained -----------------------------------
         reward_start = time.time()
         all_raw, _ = score_epoch(run, scoring)
-        plan = plan_micro_batches(torch.ones(samples_per_epoch, dtype=torch.bool), run.accelerator.num_processes,
-                                  run.accelerator.process_index, args.batch_size, args.updates_per_epoch)
+        plan = plan_micro_batches(torch.ones(samples_per_epoch, dtype=torch.bool), run.data.num_processes,
+                                  run.data.process_index, args.batch_size, args.updates_per_epoch)
         reward_time = time.time() - reward_start
 
         # ---- 4. update: match each row's teacher mean at the stored states --------------------------------------
@@ -342,7 +342,7 @@ if __name__ == "__main__":
         metrics = epoch_metrics(run, epoch, all_raw, stats, {"rollout_time_s": rollout_time,
                                                              "reward_time_s": reward_time,
                                                              "train_time_s": time.time() - train_start})
-        kl_sum, kl_count = (run.accelerator.reduce(t, "sum").cpu().double() for t in (kl_sum, kl_count))
+        kl_sum, kl_count = (run.data.reduce(t, "sum").cpu().double() for t in (kl_sum, kl_count))
         metrics["loss"] = float(kl_sum.sum() / kl_count.sum())
         metrics.update({f"kl_{t.name}": float(kl_sum[k] / kl_count[k]) for k, t in enumerate(teachers)})
         all_tasks = torch.as_tensor(task_index[draw])  # every sample's teacher, in draw order (all processes)

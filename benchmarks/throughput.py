@@ -9,6 +9,7 @@
 # Prints one markdown table; --json-out writes the rows.
 #   python benchmarks/throughput.py --size tiny --resolution 64 --scripts grpo nft   (a CPU smoke run, ~1 minute)
 #   python benchmarks/throughput.py --json-out throughput.json                      (one GPU, a few minutes)
+#   python benchmarks/throughput.py --scripts grpo --sequence-parallel 2           (2 GPUs: grpo split over both too)
 import json
 import shutil
 import subprocess
@@ -56,6 +57,10 @@ class Args:
     """the GPU's peak for mfu (unset: the scripts' default for a known GPU; on a CPU no mfu)"""
     timeout_s: float = 60.0
     """a run still going after this many seconds is stopped and reported as failed (the table still prints)"""
+    sequence_parallel: int = 1
+    """N > 1: one more grpo run, its transformer split over N processes (`accelerate launch --num_processes N
+    ... --sequence-parallel N`: N GPUs, or N gloo processes on a CPU), as the row `grpo --sequence-parallel N`; its
+    TFLOP/s are the N processes' together, its MFU against N peaks"""
     extra_args: str = ""
     """more flags for every run, e.g. "--attention-backend flash --gradient-checkpointing" """
 
@@ -103,11 +108,15 @@ def build_pipeline(path: Path, args: Args) -> int:
     return sum(p.numel() for p in transformer.parameters())
 
 
-def train(script: str, model: Path, out: Path, args: Args, *flags) -> dict:
-    """One run of `algos/<script>.py` on the pipeline; its last metrics line and wall seconds."""
+def train(script: str, model: Path, out: Path, args: Args, *flags, processes: int = 1) -> dict:
+    """One run of `algos/<script>.py` on the pipeline (on `processes` processes: `accelerate launch`); its last
+    metrics line and wall seconds."""
     if out.exists():
         shutil.rmtree(out)
-    command = [sys.executable, str(REPO / "algos" / f"{script}.py"), "--preset", "tiny", "--model-path", str(model),
+    launch = [sys.executable] + (["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+                                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+                                 if processes > 1 else [])
+    command = [*launch, str(REPO / "algos" / f"{script}.py"), "--preset", "tiny", "--model-path", str(model),
                "--resolution", str(args.resolution), "--max-sequence-length", str(args.max_sequence_length),
                "--epochs", str(args.epochs), "--prompts-per-epoch", str(args.prompts_per_epoch),
                "--group-size", str(args.group_size), "--batch-size", str(args.batch_size), "--eval-every", "0",
@@ -151,6 +160,12 @@ if __name__ == "__main__":
         print(f"{script}: {rows[script].get('error') or 'done in %.0f s' % rows[script]['wall_s']}", flush=True)
     # the embedding cache: grpo's epoch with prompts encoded online (text encoders loaded) against cached
     rows["grpo --no-cache"] = train("grpo", model, root / "grpo-online", args, "--no-cache")
+    if args.sequence_parallel > 1:  # one micro-batch split over N processes (common/parallel.py)
+        split = f"grpo --sequence-parallel {args.sequence_parallel}"
+        rows[split] = train("grpo", model, root / "grpo-sp", args, "--sequence-parallel", args.sequence_parallel,
+                            processes=args.sequence_parallel)
+        outcome = rows[split].get("error") or f"done in {rows[split]['wall_s']:.0f} s"
+        print(f"{split}: {outcome}", flush=True)
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"\n{device}; FLUX.1 at {args.size} widths with {args.double_layers} + {args.single_layers} blocks "

@@ -81,7 +81,7 @@ def _local_model_folder(model_path: str, components: tuple[str, ...] = ()) -> tu
 
     try:
         folder = Path(snapshot_download(model_path, allow_patterns=["model_index.json", "text_encoder*/*.json",
-                                                                   "tokenizer*/*",
+                                                                   "tokenizer*/*", "processor*/*",
                                                                    *(f"{c}/*.json" for c in components)]))
     except Exception as err:  # offline and not in the hub cache, a typo, no access...
         raise UserError(f"cannot read the text encoder configs of {model_path!r}: {str(err).splitlines()[0]}")
@@ -111,8 +111,9 @@ def fingerprint_inputs(model: str, model_path: str, max_sequence_length: int, dt
     index = json.loads((folder / "model_index.json").read_text())
     encoders = {}
     # Every component whose output the cache holds: the text components (text encoders, tokenizers, and the image
-    # encoders and processors of conditioned models) and the condition encoders.
-    parts = ("text_encoder", "tokenizer", *components)
+    # encoders and processors of conditioned models, also where a processor is no text component) and the condition
+    # encoders.
+    parts = ("text_encoder", "tokenizer", "processor", *components)
     for name in sorted(k for k in index if k.startswith(parts)):
         if index[name] in (None, [None, None]) or not (folder / name).is_dir():
             continue

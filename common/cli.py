@@ -13,7 +13,7 @@ from typing import Annotated, ClassVar, Literal
 
 import tyro
 
-from common.data import DEFAULT_DATASET
+from common.data import default_dataset
 from common.training import check_updates_per_epoch
 from common.utils import UserError, avoid_cudnn_attention, install_user_error_hook, quiet_libraries
 
@@ -21,7 +21,8 @@ from common.utils import UserError, avoid_cudnn_attention, install_user_error_ho
 # Every --model name (common.models.ADAPTERS has one adapter per name; tests/test_models.py checks they agree), here
 # so that the scripts, preprocess.py and evaluate.py parse it without importing the adapters.
 ModelName = Literal["flux1", "sd3", "qwen-image", "wan", "flux1-kontext", "qwen-image-edit", "wan-i2v", "flux2",
-                    "flux2-klein", "z-image", "wan2.2", "wan2.2-5b"]
+                    "flux2-klein", "z-image", "wan2.2", "wan2.2-5b", "qwen-image-2.1", "ltx2", "wan2.2-i2v",
+                    "hunyuan-video-1.5", "hunyuan-video-1.5-i2v"]
 # diffusers' attention backends (`diffusers.models.attention_dispatch.AttentionBackendName`; tests check they agree),
 # here so that a misspelt --attention-backend is refused, with the choices, before anything is loaded.
 AttentionBackend = Literal["native", "flash", "flash_varlen", "flash_hub", "flash_varlen_hub", "flash_4_hub",
@@ -30,8 +31,11 @@ AttentionBackend = Literal["native", "flash", "flash_varlen", "flash_hub", "flas
                            "_native_npu", "_native_xla", "sage", "sage_hub", "sage_blackwell_hub", "sage_varlen",
                            "_sage_qk_int8_pv_fp8_cuda", "_sage_qk_int8_pv_fp8_cuda_sm90",
                            "_sage_qk_int8_pv_fp16_cuda", "_sage_qk_int8_pv_fp16_triton", "xformers"]
-VIDEO_MODELS = ("wan", "wan-i2v", "wan2.2", "wan2.2-5b")
-CONDITIONED_MODELS = ("flux1-kontext", "qwen-image-edit", "wan-i2v")
+VIDEO_MODELS = ("wan", "wan-i2v", "wan2.2", "wan2.2-5b", "ltx2", "wan2.2-i2v", "hunyuan-video-1.5",
+                "hunyuan-video-1.5-i2v")
+CONDITIONED_MODELS = ("flux1-kontext", "qwen-image-edit", "wan-i2v", "qwen-image-2.1", "wan2.2-i2v",
+                      "hunyuan-video-1.5-i2v")  # qwen-image-2.1: also text-to-image
+TWO_EXPERT_MODELS = ("wan2.2", "wan2.2-i2v")
 
 NON_FINITE_NOTE = ("A non-finite reward, loss or gradient norm stops the run with one line naming the epoch and the "
                    "quantity, before the optimizer step and before anything of that epoch is written; a checkpoint is "
@@ -62,8 +66,8 @@ class TrainArgs:
 
     # Model
     model: ModelName = "flux1"
-    """model family (flux1-kontext, qwen-image-edit: image editing; wan-i2v: image-to-video; their datasets give
-    each prompt a condition image)"""
+    """model family (flux1-kontext, qwen-image-edit: image editing; wan-i2v, wan2.2-i2v: image-to-video; their
+    datasets give each prompt a condition image)"""
     model_path: str | None = None
     """hub id or local folder of the pipeline; `tiny` builds an offline tiny model, `toy` is the toy world's
     pretrained FLUX.1 (unset: the model's published checkpoint)"""
@@ -74,10 +78,10 @@ class TrainArgs:
     max_sequence_length: int = 512
     """prompt length in text-encoder tokens (longer prompts are truncated, with a warning)"""
     num_frames: int | None = None
-    """frames of a video model (wan, wan-i2v: 4k + 1; unset: 33); image models take none"""
+    """frames of a video model (the Wan models: 4k + 1; unset: 33); image models take none"""
     train_experts: Literal["high", "low", "both"] | None = None
-    """wan2.2 only: the experts whose LoRA is trained (high noise: `transformer`, low noise: `transformer_2`); the
-    other's stays as it is, and both still sample (unset: both)"""
+    """wan2.2 and wan2.2-i2v only: the experts whose LoRA is trained (high noise: `transformer`, low noise:
+    `transformer_2`); the other's stays as it is, and both still sample (unset: both)"""
     condition_size: int | None = None
     """side of the square that condition images are resized to (unset: as the pipeline does it: FLUX.1 Kontext's
     preferred resolution nearest the image's aspect ratio, Qwen-Image-Edit's area-preserving resize, Wan I2V's
@@ -94,8 +98,9 @@ class TrainArgs:
     torch's scaled_dot_product_attention)"""
 
     # Data and reward
-    dataset: str = DEFAULT_DATASET
-    """folder with train/test .jsonl (field `prompt`) or .txt files"""
+    dataset: str | None = None
+    """folder with train/test .jsonl (field `prompt`) or .txt files (unset: data/prompts; for conditioned models the
+    toy edit world's data/toy_edit, prompts with condition images)"""
     reward: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
     """a reward as NAME[:WEIGHT][,KEY=VALUE...] or MODULE:ATTR[:WEIGHT]; repeat the flag for several
     (none given: jpeg_compressibility)"""
@@ -148,6 +153,11 @@ class TrainArgs:
     reward_workers: int = 4
     """threads that score each rollout micro-batch while the next is denoised (a reward server's requests overlap up
     to its client's connections=); 0: score the whole epoch after the rollout. The scores are the same either way"""
+
+    sequence_parallel: int = 1
+    """N > 1: Ulysses sequence parallelism; N processes run each transformer call together, each on 1/N of the tokens
+    (diffusers' plan: flux1, flux2, qwen-image, wan and their variants), and share their samples; the launch's
+    processes form world / N data-parallel groups (docs/distributed.md)"""
 
     peak_tflops: float | None = None
     """the accelerator's peak TFLOP/s per process, the denominator of `mfu` in metrics.jsonl (unset: the dense bf16
@@ -233,6 +243,8 @@ def parse_args(args_class, presets: dict[str, dict] | None = None, description: 
     args = cli_one_line(args_class, default=default, args=argv, description=description)
     if getattr(args, "exp_name", None) == "":
         args.exp_name = Path(sys.argv[0]).stem
+    if hasattr(args, "dataset") and args.dataset is None:  # preprocess.py's Args has one too
+        args.dataset = default_dataset(args.model)
     check_finite(args)
     (check or check_args)(args)
     return args
@@ -263,8 +275,15 @@ _AT_LEAST = [("epochs", 1, ""), ("prompts_per_epoch", 1, ""), ("group_size", 2, 
              "its group)"), ("batch_size", 1, ""), ("updates_per_epoch", 1, ""), ("num_steps", 2, ""),
              ("lr_warmup_steps", 0, ""), ("lora_rank", 1, ""), ("max_sequence_length", 1, ""), ("resolution", 1, ""),
              ("eval_every", 0, ""), ("eval_num_prompts", 1, ""), ("eval_seeds", 1, ""), ("save_every", 0, ""),
-             ("keep_checkpoints", 1, ""), ("weight_decay", 0, ""), ("reward_workers", 0, "")]
+             ("keep_checkpoints", 1, ""), ("weight_decay", 0, ""), ("reward_workers", 0, ""),
+             ("sequence_parallel", 1, "")]
 _POSITIVE = ["lora_alpha", "max_grad_norm", "adv_clip_max"]
+
+
+def launched_data_ranks(args) -> int:
+    """The data-parallel ranks of this launch, read before setup from the launchers' process count (WORLD_SIZE):
+    world / --sequence-parallel (setup refuses a degree that does not divide the world)."""
+    return max(1, int(os.environ.get("WORLD_SIZE", "1")) // args.sequence_parallel)
 
 
 def check_args(args) -> None:
@@ -276,8 +295,8 @@ def check_args(args) -> None:
     for name in _POSITIVE:
         if not getattr(args, name) > 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    # Early, with the launchers' process count (WORLD_SIZE); rollout_micro_batches checks it again after setup.
-    local = args.prompts_per_epoch * args.group_size // int(os.environ.get("WORLD_SIZE", "1"))
+    # Early, with the launchers' process count; rollout_micro_batches checks it again after setup.
+    local = args.prompts_per_epoch * args.group_size // launched_data_ranks(args)
     check_updates_per_epoch(args.updates_per_epoch, local)
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         raise UserError(f"--peak-tflops must be positive, got {args.peak_tflops}")
@@ -287,10 +306,11 @@ def check_args(args) -> None:
         raise UserError(f"--eval-num-steps must be at least 1, got {args.eval_num_steps}")
     if not 0 <= args.ema_decay < 1:
         raise UserError(f"--ema-decay must be in [0, 1), got {args.ema_decay}")
-    if args.train_experts is not None and args.model != "wan2.2":
-        raise UserError(f"--train-experts applies to wan2.2 (two experts), not to {args.model}")
-    if args.model == "wan2.2" and args.full_finetune:
-        raise UserError("--full-finetune is not supported for wan2.2 (two 14B experts): train LoRA, with "
+    if args.train_experts is not None and args.model not in TWO_EXPERT_MODELS:
+        raise UserError(f"--train-experts applies to two-expert models ({', '.join(TWO_EXPERT_MODELS)}), not to "
+                        f"{args.model}")
+    if args.model in TWO_EXPERT_MODELS and args.full_finetune:
+        raise UserError(f"--full-finetune is not supported for {args.model} (two 14B experts): train LoRA, with "
                         "--train-experts to pick the experts")
     if args.num_frames is not None and args.model not in VIDEO_MODELS:
         raise UserError(f"--num-frames applies to video models ({', '.join(VIDEO_MODELS)}), not to {args.model}")

@@ -18,6 +18,15 @@ import torch
 from common.utils import UserError
 
 DEFAULT_DATASET = str(Path(__file__).resolve().parent.parent / "data" / "prompts")
+# Conditioned models need a condition image per prompt: their default is the toy edit world's prompts and scenes.
+DEFAULT_CONDITIONED_DATASET = str(Path(__file__).resolve().parent.parent / "data" / "toy_edit")
+
+
+def default_dataset(model: str) -> str:
+    """The dataset a run reads when --dataset is unset: data/prompts, or data/toy_edit for conditioned models."""
+    from common.cli import CONDITIONED_MODELS
+
+    return DEFAULT_CONDITIONED_DATASET if model in CONDITIONED_MODELS else DEFAULT_DATASET
 
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")

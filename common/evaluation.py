@@ -5,25 +5,28 @@ batches and ODE give the same numbers."""
 from pathlib import Path
 
 import torch
-from accelerate.utils import gather_object
 
+from common.models.base import AudioVideo
+from common.parallel import gather_objects
 from common.sampling import sample, sample_generators
 from common.scoring import condition_tensors, score_samples
-from common.tracking import log_image, save_image_grid
+from common.tracking import log_image, save_image_grid, save_wav
 
 
 def evaluate_prompts(adapter, accelerator, encode, rewards: list, prompts: list, seeds_per_prompt: int,
                      num_steps: int, batch_size: int, guidance: float, grid: Path | None = None,
                      step: int = 0, best_of: bool = False) -> dict:
     """Euler-ODE samples of `prompts` × `seeds_per_prompt` fixed seeds with the adapter's transformer as it is now,
-    split over the processes in batches of `batch_size`: each pointwise reward's mean (`eval_reward_<name>`, and
+    split over the processes (`accelerator`: an Accelerator, or a common.parallel.DataParallel whose data-parallel
+    ranks split them) in batches of `batch_size`: each pointwise reward's mean (`eval_reward_<name>`, and
     their weighted sum `eval_reward_mean`), each named column of a reward that returns them
     (`eval_reward_<name>_<column>`), each check of a reward that reports checks (`score.checks(images,
     prompts[, conditions])`: `eval_<reward>_<check>`), each with its standard error (`_se`: the sample standard
     deviation over prompts × seeds / √n). With `grid`, the main process writes a captioned grid of each prompt's
     samples (the first 8 seeds; conditioned prompts: their condition image first) and sends it to the trackers at
     `step`. With `best_of`, also `eval_<key>_best_of_<seeds>`: the mean over prompts of each prompt's best sample
-    (for a pass/fail check, the share of prompts that some seed gets right)."""
+    (for a pass/fail check, the share of prompts that some seed gets right). Audio-video models: the grid shows the
+    frames, and each sample in it has its sound beside the grid, `<grid name>_audio/prompt<i>_seed<s>.wav`."""
     items = [(i, s) for i in range(len(prompts)) for s in range(seeds_per_prompt)]
     sigmas = adapter.sigmas(num_steps)
     pointwise = [r for r in rewards if not r.groupwise]
@@ -35,20 +38,23 @@ def evaluate_prompts(adapter, accelerator, encode, rewards: list, prompts: list,
             seeds = [i + 1_000_003 * s for i, s in batch]  # prompt i's first seed is i, as in earlier versions
             velocity = lambda x, sigma, cond=cond: adapter.velocity(x, sigma, cond, guidance)  # noqa: E731
             x0 = sample(velocity, adapter.noise(sample_generators(seeds, accelerator.device)), sigmas, "ode")
-            images = adapter.decode(x0)
+            decoded = adapter.decode(x0)
+            images = decoded.video if isinstance(decoded, AudioVideo) else decoded
             texts = [prompts[i].prompt for i, _ in batch]
             conditions = [prompts[i].images for i, _ in batch]
             named = {}
-            raw = score_samples(pointwise, images, texts, torch.tensor([prompts[i].key for i, _ in batch]),
+            raw = score_samples(pointwise, decoded, texts, torch.tensor([prompts[i].key for i, _ in batch]),
                                 conditions=conditions, columns=named)
             checks = {f"{r.name}_{name}": values for r in pointwise if hasattr(r.score, "checks")
                       for name, values in r.score.checks(images, texts, *(
                           [condition_tensors(conditions)] if r.wants_conditions else [])).items()}
             checks.update({f"reward_{key}": values for key, values in named.items()})
             for row, (i, s) in enumerate(batch):
+                shown = grid is not None and s < 8
+                sound = decoded[row].cpu() if shown and isinstance(decoded, AudioVideo) else None
                 results.append(((i, s), raw[row].tolist(), {k: float(v[row]) for k, v in checks.items()},
-                                images[row].cpu() if grid is not None and s < 8 else None))
-    results = sorted(gather_object(results), key=lambda item: item[0])
+                                images[row].cpu() if shown else None, sound))
+    results = sorted(gather_objects(accelerator, results), key=lambda item: item[0])
     raw = torch.tensor([r[1] for r in results], dtype=torch.float64)
     weights = torch.tensor([r.weight for r in pointwise], dtype=torch.float64)
     columns = {"reward_mean": raw @ weights, **{f"reward_{r.name}": raw[:, k] for k, r in enumerate(pointwise)},
@@ -66,6 +72,10 @@ def evaluate_prompts(adapter, accelerator, encode, rewards: list, prompts: list,
             samples, shown = _with_conditions(samples, prompts, shown), shown + 1
         picture = save_image_grid(samples, grid, columns=shown, captions=[p.prompt for p in prompts])
         log_image(accelerator, "eval/samples", picture, step)
+        for (i, s), *_, sound in results:
+            if sound is not None:
+                save_wav(sound.audio[0], sound.sample_rate, grid.with_name(f"{grid.stem}_audio") /
+                         f"prompt{i:03d}_seed{s}.wav")
     return out
 
 

@@ -9,7 +9,11 @@ against torch's own FlopCounterMode on every tiny model):
 - an attention module of diffusers (the product of q and k, then of the scores and v): 4·B·S_q·S_k·inner_dim
   forward, twice that backward; S_q = S_k = image + text tokens for joint attention (a module with `add_q_proj`
   given `encoder_hidden_states`: FLUX.1's double blocks, SD3, Qwen-Image), S_k = the encoder's tokens for cross
-  attention (Wan), both the input's tokens for self attention.
+  attention (Wan), both the input's tokens for self attention; Qwen-Image 2.1's block-causal attention is computed
+  per segment (each prefix segment of text or a condition image against the keys up to its end, the target's
+  tokens against all), and counted so. Under sequence parallelism (common.parallel) a process holds 1/N of the
+  queries and, after Ulysses' all-to-all, all keys for H/N heads: split keys count N times, so that the
+  processes' counts add up to the unsplit model's.
 A layer's backward is counted when its output's gradient is computed (a tensor hook), so only what the loss uses.
 Recomputation by gradient checkpointing is not counted: `tflops` is the model's work, not the hardware's, the
 usual convention of MFU. Norms, activations and rotary embeddings are left out (as FlopCounterMode does)."""
@@ -41,6 +45,13 @@ def _attention_modules() -> tuple[type, ...]:
     from diffusers.models.attention_processor import Attention
 
     return Attention, AttentionModuleMixin
+
+
+def _ulysses_degree(attention: torch.nn.Module) -> int:
+    """N when sequence parallelism (common.parallel) splits this attention's tokens over N processes, else 1."""
+    config = getattr(getattr(getattr(attention, "processor", None), "_parallel_config", None),
+                     "context_parallel_config", None)
+    return config.ulysses_degree if config is not None else 1
 
 
 def _in_backward() -> bool:
@@ -137,7 +148,14 @@ class FlopCounter:
                 queries = keys = tokens + context.shape[1]
             else:
                 queries, keys = tokens, context.shape[1]
-            forward = 4 * hidden.shape[0] * queries * keys * module.inner_dim
+            if context is None or getattr(module, "add_q_proj", None) is not None:
+                keys *= _ulysses_degree(module)  # split keys: each process attends to all of them (with H/N heads)
+            pairs = queries * keys
+            segments = kwargs.get("segments")
+            if segments is not None:  # Qwen-Image 2.1's block-causal prefill, one attention call per segment
+                prefix = segments[-1][1] if segments else 0
+                pairs = sum((end - start) * end for start, end, _ in segments) + (tokens - prefix) * tokens
+            forward = 4 * hidden.shape[0] * pairs * module.inner_dim
             first = output[0] if isinstance(output, tuple) else output
             self._add(forward, 2 * forward, first)
         return hook

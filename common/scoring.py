@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from common.models.base import AudioVideo
 from common.utils import UserError
 
 
@@ -28,6 +29,7 @@ class Reward:
     groupwise: bool = False
     wants_conditions: bool = False  # called with the samples' condition images (edit, image-to-video rewards)
     video: bool = False  # called with whole clips (B, F, 3, H, W) instead of frame by frame
+    wants_audio: bool = False  # called with whole clips and the waveforms (audio-video models)
 
 
 def check_video_rewards(rewards: list[Reward], model: str, makes_video: bool) -> None:
@@ -40,6 +42,15 @@ def check_video_rewards(rewards: list[Reward], model: str, makes_video: bool) ->
                             f"video model: {', '.join(VIDEO_MODELS)}")
 
 
+def check_audio_rewards(rewards: list[Reward], model: str, makes_audio: bool) -> None:
+    """A reward that scores sound needs a model that makes it: one line before anything is loaded, not at the first
+    scoring."""
+    wanting = [r.name for r in rewards if r.wants_audio]
+    if wanting and not makes_audio:
+        raise UserError(f"reward {wanting[0]!r} scores audio, but {model} makes none (use it with an audio-video "
+                        f"model: --model ltx2)")
+
+
 def condition_tensors(paths_per_sample) -> list[list[torch.Tensor]]:
     """Each sample's condition image files as (3, h, w) float tensors in [0, 1] (what a reward that wants
     conditions receives)."""
@@ -49,16 +60,22 @@ def condition_tensors(paths_per_sample) -> list[list[torch.Tensor]]:
             for paths in paths_per_sample]
 
 
-def call_reward(reward: Reward, images: torch.Tensor, prompts: list[str], conditions=None,
+def call_reward(reward: Reward, images, prompts: list[str], conditions=None,
                 columns: dict | None = None) -> torch.Tensor:
     """Scores of one call as float64 (B,), off the graph; any failure becomes a one-line UserError naming
     the reward (with where it was raised, since the traceback is not printed). Video (B, F, 3, H, W): every
     frame index is scored as one batch of images and the scores are averaged over frames, unless the reward takes
-    whole clips (`video`), which then refuses images. `conditions`: each sample's condition images
-    (`condition_tensors`), passed to a reward that wants them. A reward may return a dict: its "score" entry is the
-    score and every other entry a named column of B numbers (e.g. per-dimension scores), written into `columns` as
-    `<reward name>_<key>` (float64 (B,)) when it is given."""
-    if images.ndim == 5 and not reward.video:
+    whole clips (`video`, which then refuses images) or sound (`wants_audio`). `images` may be an `AudioVideo`
+    (audio-video models): a reward that wants audio is called with `audio=` the waveforms (B, channels, samples)
+    and `sample_rate=` their rate too; the others see only the frames. `conditions`: each sample's condition
+    images (`condition_tensors`), passed to a reward that wants them. A reward may return a dict: its "score"
+    entry is the score and every other entry a named column of B numbers (e.g. per-dimension scores), written
+    into `columns` as `<reward name>_<key>` (float64 (B,)) when it is given."""
+    audio = images if isinstance(images, AudioVideo) else None
+    images = audio.video if audio is not None else images
+    if reward.wants_audio and audio is None:
+        check_audio_rewards([reward], "this model", makes_audio=False)
+    if images.ndim == 5 and not (reward.video or reward.wants_audio):
         per_frame = [{} for _ in range(images.shape[1])]
         scores = torch.stack([call_reward(reward, images[:, f], prompts, conditions, per_frame[f])
                               for f in range(images.shape[1])]).mean(0)
@@ -69,15 +86,17 @@ def call_reward(reward: Reward, images: torch.Tensor, prompts: list[str], condit
         raise UserError(f"reward {reward.name!r} scores whole video clips (B, F, 3, H, W), but got images of shape "
                         f"{tuple(images.shape)}: use it with a video model")
     count = len(prompts)
-    extra = ()
+    extra, sound = (), {}
     if reward.wants_conditions:
         if conditions is None or not any(conditions):
             raise UserError(f"reward {reward.name!r} judges samples against their condition images, but these "
                             f"samples have none (train a conditioned model on a dataset with \"image\" fields)")
         extra = (conditions,)
+    if reward.wants_audio:
+        sound = {"audio": audio.audio.detach(), "sample_rate": audio.sample_rate}
     try:
         with torch.no_grad():
-            values = reward.score(images.detach(), list(prompts), *extra)
+            values = reward.score(images.detach(), list(prompts), *extra, **sound)
     except UserError:
         raise
     except Exception as error:
@@ -121,20 +140,25 @@ def _as_scores(reward: Reward, values, count: int, where: str) -> torch.Tensor:
 
 def _gather_everything(images, prompts, group_ids, accelerator, conditions):
     """All processes' samples (in rank order) and where this process's start; counts may differ by rank."""
-    from accelerate.utils import gather, gather_object, pad_across_processes
+    from common.parallel import gather_objects
 
-    counts = gather_object([len(prompts)])
-    # Collectives need device tensors (NCCL) of one size on every rank: pad, gather, then drop the padding.
-    padded_images = pad_across_processes(images.detach().to(accelerator.device).contiguous(), dim=0)
-    padded_ids = pad_across_processes(group_ids.to(accelerator.device), dim=0)
-    all_images, all_ids, size = gather(padded_images).cpu(), gather(padded_ids).cpu(), max(counts)
+    counts = gather_objects(accelerator, [len(prompts)])
+    size = max(counts)
     keep = torch.cat([torch.arange(r * size, r * size + c) for r, c in enumerate(counts)])
-    all_prompts = gather_object(list(prompts))
-    all_conditions = gather_object(list(conditions)) if conditions is not None else None
-    return all_images[keep], all_prompts, all_ids[keep], all_conditions, sum(counts[:accelerator.process_index])
+
+    def gather_rows(tensor):  # collectives need device tensors (NCCL) of one size on every rank: pad, then unpad
+        padded = accelerator.pad_across_processes(tensor.detach().to(accelerator.device).contiguous(), dim=0)
+        return accelerator.gather(padded).cpu()[keep]
+
+    all_ids = gather_rows(group_ids)
+    all_images = (AudioVideo(gather_rows(images.video), gather_rows(images.audio), images.sample_rate)
+                  if isinstance(images, AudioVideo) else gather_rows(images))
+    all_prompts = gather_objects(accelerator, list(prompts))
+    all_conditions = gather_objects(accelerator, list(conditions)) if conditions is not None else None
+    return all_images, all_prompts, all_ids, all_conditions, sum(counts[:accelerator.process_index])
 
 
-def score_samples(rewards: list[Reward], images: torch.Tensor, prompts: list[str], group_ids: torch.Tensor,
+def score_samples(rewards: list[Reward], images, prompts: list[str], group_ids: torch.Tensor,
                   accelerator=None, conditions=None, columns: dict | None = None) -> torch.Tensor:
     """Raw scores (batch, num_rewards), float64 on the CPU, for this process's samples. `conditions`: each
     sample's condition image paths (a tuple, empty for text-only prompts), read only for rewards that want them.
@@ -142,7 +166,8 @@ def score_samples(rewards: list[Reward], images: torch.Tensor, prompts: list[str
 
     Groupwise rewards need every sample of a group: the samples of all processes are gathered (once), each
     process scores the groups it leads (round-robin over the sorted group ids), and the scores are summed
-    back across processes. All processes must call this together when any reward is groupwise.
+    back across processes. All processes must call this together when any reward is groupwise. `accelerator`: an
+    Accelerator, or a common.parallel.DataParallel (its data-parallel ranks are the processes here).
     """
     group_ids = torch.as_tensor(group_ids)
     if len(group_ids) != len(prompts) or len(images) != len(prompts):
@@ -168,14 +193,12 @@ def score_samples(rewards: list[Reward], images: torch.Tensor, prompts: list[str
             group_conditions = (condition_tensors([all_conditions[i] for i in members])
                                 if reward.wants_conditions and all_conditions is not None else None)
             group_columns = {}
-            column[members] = call_reward(reward, all_images[members], [all_prompts[i] for i in members],
+            column[members] = call_reward(reward, all_images[members.tolist()], [all_prompts[i] for i in members],
                                           group_conditions, group_columns)
             for key, values in group_columns.items():
                 named.setdefault(key, torch.zeros(len(all_prompts), dtype=torch.float64))[members] = values
         if world > 1:  # a groupwise reward's named columns stay with the process that scored the group
-            from accelerate.utils import reduce
-
-            column = reduce(column.to(accelerator.device), reduction="sum").cpu()
+            column = accelerator.reduce(column.to(accelerator.device), "sum").cpu()
         elif columns is not None:
             columns.update({key: values[start:start + len(prompts)] for key, values in named.items()})
         scores.append(column[start:start + len(prompts)])
@@ -288,8 +311,8 @@ class RolloutScoring:
 
         self.pending.append((self.workers.submit(call) if self.workers else None, column, rows, call))
 
-    def submit(self, images: torch.Tensor) -> None:
-        """The next micro-batch's decoded images (B, 3, H, W) or video (B, F, 3, H, W), on the CPU."""
+    def submit(self, images) -> None:
+        """The next micro-batch's decoded images (B, 3, H, W), video (B, F, 3, H, W) or `AudioVideo`, on the CPU."""
         self._raise_first_failure(done_only=True)
         start, stop = self.submitted, self.submitted + len(images)
         if stop > len(self.prompts):
@@ -305,9 +328,10 @@ class RolloutScoring:
                     if start <= members[-1] < stop:
                         self._schedule(column, members, self._all_images()[members])
 
-    def _all_images(self) -> torch.Tensor:
+    def _all_images(self):
         if len(self.images) > 1:
-            self.images = [torch.cat(self.images)]
+            self.images = [AudioVideo.cat(self.images) if isinstance(self.images[0], AudioVideo)
+                           else torch.cat(self.images)]
         return self.images[0]
 
     def _raise_first_failure(self, done_only: bool) -> None:

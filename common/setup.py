@@ -27,7 +27,9 @@ from common.distributed import (configure_backend, load_optimizer_state_dict, lo
 from common.evaluation import evaluate_prompts
 from common.flops import FlopCounter, default_peak_tflops
 from common.models import ADAPTERS, load_adapter, resolve_model_path
-from common.scoring import RolloutScoring, check_video_rewards
+from common.parallel import (DataParallel, check_world, device_mesh, enable_sequence_parallel, models_with_plans,
+                             plan_owner)
+from common.scoring import RolloutScoring, check_audio_rewards, check_video_rewards
 from common.shadow import ReferencePolicy, ShadowPolicy
 from common.tracking import MetricsLog, check_finite, format_metrics
 from common.training import EMA, add_lora, lr_scheduler, trainable_parameters
@@ -60,6 +62,7 @@ class Run:
     start_epoch: int = 0
     meta: dict = field(default_factory=dict)  # script state saved with the last checkpoint (e.g. a window)
     local: slice = field(default_factory=lambda: slice(0))  # this process's part of each epoch's M·K samples
+    data: DataParallel | None = None  # the data-parallel ranks (world / --sequence-parallel) and their collectives
     optimizer_steps: int = 0      # taken so far, this run and the ones it resumes
     flops: FlopCounter = field(default_factory=FlopCounter)  # the transformers' work, for tflops and mfu
     reward_columns: dict = field(default_factory=dict)  # the last score_epoch's named reward columns, all processes
@@ -162,10 +165,17 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with=args.track, project_dir=str(output_dir))
     configure_backend(accelerator, args.batch_size, args.max_grad_norm)
     rank, world = accelerator.process_index, accelerator.num_processes
-    local = shard(args.prompts_per_epoch * args.group_size, rank, world)
+    # The processes of a sequence-parallel group share their samples: the data is split over data-parallel ranks.
+    if args.sequence_parallel > 1 and plan_owner(ADAPTERS[args.model].pipeline_class_name) is None:
+        raise UserError(f"--sequence-parallel: {args.model}'s transformer has no sequence-parallel plan in diffusers; "
+                        f"models with one: {', '.join(models_with_plans(ADAPTERS))}")
+    check_world(args.sequence_parallel, world)
+    data = DataParallel(accelerator, args.sequence_parallel, device_mesh(accelerator, args.sequence_parallel))
+    local = shard(args.prompts_per_epoch * args.group_size, data.process_index, data.num_processes)
     train_prompts, test_prompts = load_prompts(args.dataset, "train"), load_prompts(args.dataset, "test")
     check_conditions(train_prompts + test_prompts, *ADAPTERS[args.model].condition_images, args.model)
     check_video_rewards(rewards, args.model, ADAPTERS[args.model].video)
+    check_audio_rewards(rewards, args.model, ADAPTERS[args.model].audio)
     if args.prompts_per_epoch > len(train_prompts):
         raise UserError(f"--prompts-per-epoch {args.prompts_per_epoch} exceeds the {len(train_prompts)} training "
                         f"prompts of {args.dataset}")
@@ -212,6 +222,10 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
         transformer.enable_gradient_checkpointing()
     params = trainable_parameters(transformer)
     shadow_policies = {name: ShadowPolicy(adapter, transformer, name, args.full_finetune) for name in shadows}
+    if data.degree > 1:  # after LoRA and the copies: peft replaces the layers its hooks sit on, deepcopy drops them
+        for module in (transformer, frozen_copy, *(getattr(s, "module", None) for s in shadow_policies.values())):
+            if module is not None:
+                enable_sequence_parallel(module, data.mesh, data.degree, accelerator.device)
     lr = args.learning_rate or (1e-5 if args.full_finetune else 3e-4)
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
     scheduler = lr_scheduler(optimizer, args.lr_schedule, args.lr_warmup_steps, args.epochs * args.updates_per_epoch)
@@ -225,7 +239,8 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
 
     run = Run(args, accelerator, adapter, transformer, unwrapped, params, optimizer, scheduler, reference,
               shadow_policies, ema, encode, rewards, train_prompts, test_prompts,
-              adapter.sigmas(args.num_steps), guidance, output_dir, MetricsLog(output_dir, accelerator), local=local)
+              adapter.sigmas(args.num_steps), guidance, output_dir, MetricsLog(output_dir, accelerator), local=local,
+              data=data)
     # Every transformer a script runs: the trained one, a frozen reference copy, the shadows' copies.
     run.flops.attach(unwrapped, reference.copy, *(getattr(s, "module", None) for s in shadow_policies.values()))
     if accelerator.is_main_process:
@@ -352,7 +367,7 @@ def evaluate(run: Run, epoch: int) -> dict:
     run.transformer.eval()
     grid = run.output_dir / "eval" / (f"epoch_{epoch:06d}.png" if epoch >= 0 else "base.png")
     with run.ema.applied() if run.ema is not None else nullcontext(), run.flops.paused():
-        return evaluate_prompts(run.adapter, run.accelerator, run.encode, run.rewards,
+        return evaluate_prompts(run.adapter, run.data, run.encode, run.rewards,
                                 run.test_prompts[: args.eval_num_prompts], args.eval_seeds,
                                 args.eval_num_steps or args.num_steps, args.batch_size, run.guidance, grid,
                                 max(epoch, 0))
@@ -442,25 +457,24 @@ def start_scoring(run: Run, records: list, group_ids: torch.Tensor) -> RolloutSc
     (`.submit`), and --reward-workers threads score them while the next micro-batch is denoised (0: all of it in
     `score_epoch`, after the rollout). Either way the scores are the same, bit for bit (common.scoring)."""
     return RolloutScoring(run.rewards, [r.prompt for r in records], group_ids, [r.images for r in records],
-                          run.accelerator, run.args.reward_workers)
+                          run.data, run.args.reward_workers)
 
 
 def score_epoch(run: Run, scoring: RolloutScoring | torch.Tensor, records: list | None = None,
                 group_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rewards of this process's samples (`start_scoring`'s, once the rollout is over; or a tensor of all its images
     with their records and group ids), gathered over all processes in draw order: (all raw scores (N, R), all group
-    ids (N,)). Group statistics then see every sample of a group, whichever process drew it. Returns only once every
+    ids (N,)). Group statistics then see every sample of a group, whichever process drew it (each once: the
+    gather is over the data-parallel ranks, common.parallel). Returns only once every
     score is in and no reward thread is left; a reward's failure is raised instead, before anything is trained."""
-    from accelerate.utils import gather, gather_object
-
-    if isinstance(scoring, torch.Tensor):
+    if not isinstance(scoring, RolloutScoring):  # the images (or an AudioVideo) themselves
         images, scoring = scoring, start_scoring(run, records, group_ids)
         scoring.submit(images)
     raw = scoring.collect()
     # The rewards' named columns (e.g. VideoAlign's per dimension), gathered the same way for epoch_metrics to log.
-    names = sorted(set().union(*gather_object([sorted(scoring.columns)]))) if run.accelerator.num_processes > 1 \
+    names = sorted(set().union(*run.data.gather_object([sorted(scoring.columns)]))) if run.data.num_processes > 1 \
         else sorted(scoring.columns)
-    run.reward_columns = {name: gather(scoring.columns.get(name, torch.full((len(raw),), float("nan"),
-                                                                             dtype=torch.float64)).to(run.device)).cpu()
+    missing = torch.full((len(raw),), float("nan"), dtype=torch.float64)
+    run.reward_columns = {name: run.data.gather(scoring.columns.get(name, missing).to(run.device)).cpu()
                           for name in names}
-    return gather(raw.to(run.device)).cpu(), gather(scoring.group_ids.to(run.device)).cpu()
+    return run.data.gather(raw.to(run.device)).cpu(), run.data.gather(scoring.group_ids.to(run.device)).cpu()

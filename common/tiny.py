@@ -5,6 +5,7 @@ then loads it through the ordinary `from_pretrained` path, exactly like a real c
 random (seeded) and tokenizers are built in memory, so nothing is downloaded.
 """
 
+import inspect
 import os
 import shutil
 import string
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 
 # Bump when a builder changes, so stale tiny models on disk are not reused.
-TINY_VERSION = 1
+TINY_VERSION = 2
 TINY_SEED = 0
 
 
@@ -179,18 +180,72 @@ def _byte_level_bpe(words) -> tuple[dict[str, int], list[tuple[str, str]]]:
     return vocab, merges
 
 
+_QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                  "<|image_pad|>", "<|video_pad|>"]
+
+
+def _qwen2_tokenizer(vocab: dict[str, int], merges: list, image_token: bool):
+    """A Qwen2Tokenizer of this vocabulary with the chat/vision special tokens; with `image_token` it also names
+    <|image_pad|> its image token (what an image-only VL processor reads, see `_image_only_processor`)."""
+    from transformers import Qwen2Tokenizer
+
+    if not image_token:
+        return Qwen2Tokenizer(vocab=vocab, merges=merges, additional_special_tokens=_QWEN_SPECIALS[1:],
+                              model_max_length=2048)
+    # extra_special_tokens as a dict replaces the list of additional special tokens: add them afterwards
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, extra_special_tokens={"image_token": "<|image_pad|>"},
+                               model_max_length=2048)
+    tokenizer.add_tokens(_QWEN_SPECIALS[1:], special_tokens=True)  # already in the vocabulary: no new ids
+    return tokenizer
+
+
+def _merge_into_single_tokens(vocab: dict[str, int], merges: list[tuple[str, str]], words) -> None:
+    """Extend a byte-level BPE (in place) until each of `words` (pre-tokenized, byte-level) is one token: merge the
+    first two pieces BPE leaves until one remains. New merges rank last, so they never change how an earlier word is
+    split."""
+    from tokenizers.models import BPE
+
+    for word in dict.fromkeys(words):
+        while len(pieces := [t.value for t in BPE(vocab=vocab, merges=merges).tokenize(word)]) > 1:
+            merges.append((pieces[0], pieces[1]))
+            vocab.setdefault(pieces[0] + pieces[1], len(vocab))
+
+
 def tiny_qwen2_tokenizer():
     """A byte-level BPE Qwen2 tokenizer: the 256 byte symbols, merges that make each word of the Qwen-Image
     chat template a single token (as in the real vocabulary), and the chat/vision special tokens."""
-    from transformers import Qwen2Tokenizer
-
     vocab, merges = _byte_level_bpe(_QWEN_TEMPLATE_WORDS)
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                "<|image_pad|>", "<|video_pad|>"]
-    for token in specials:
+    for token in _QWEN_SPECIALS:
         vocab[token] = len(vocab)
-    return Qwen2Tokenizer(vocab=vocab, merges=merges, additional_special_tokens=specials[1:],
-                          model_max_length=2048)
+    return _qwen2_tokenizer(vocab, merges, image_token=False)
+
+
+def _qwen2_tokenizer_with_words(text: str):
+    """`tiny_qwen2_tokenizer` plus merges that make each word of `text` (a pipeline's chat-template prefix) one
+    token, as the real vocabulary does; named image token (see `_qwen2_tokenizer`). New merges rank last, so they
+    never change how an earlier word (or a Qwen-Image template word) is split."""
+    import json
+    import re
+
+    base = tiny_qwen2_tokenizer()
+    model = json.loads(base.backend_tokenizer.to_str())["model"]
+    vocab, merges = dict(model["vocab"]), [tuple(pair) for pair in model["merges"]]
+    chunks = re.split("|".join(map(re.escape, _QWEN_SPECIALS)), text)
+    words = [w for chunk in chunks for w, _ in base.backend_tokenizer.pre_tokenizer.pre_tokenize_str(chunk)]
+    _merge_into_single_tokens(vocab, merges, words)
+    return _qwen2_tokenizer(vocab, merges, image_token=True)
+
+
+def _image_only_processor(image_processor, tokenizer, chat_template: str | None = None):
+    """The VL processor of the tiny Qwen editing pipelines: transformers' `PaddleOCRVLProcessor`, which does for
+    images and text what Qwen2VLProcessor and Qwen3VLProcessor do (each <|image_pad|> becomes
+    image_grid_thw.prod() / merge_size² copies; the image processor's pixel_values and grids) but has no video
+    processor: transformers 5 builds theirs only with torchvision, which has no CPU wheel beside this project's
+    torch, and the pipelines never feed videos. tests/test_qwen_image21.py checks the equality on the tiny models.
+    With the slow (PIL) Qwen2VL image processor nothing of it needs torchvision."""
+    from transformers import PaddleOCRVLProcessor
+
+    return PaddleOCRVLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
 
 
 def _tiny_qwen_vl(tokenizer):
@@ -258,7 +313,7 @@ def _build_qwen_image(path: Path) -> None:
 def _build_wan(path: Path) -> None:
     """Wan2.1-T2V-like: UMT5 encoder, the Wan 3D causal VAE (8x spatial, 4x temporal), the Wan DiT and the
     real checkpoint's UniPC flow scheduler (flow_shift 3)."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
     tokenizer = tiny_t5_tokenizer(max_length=512)
@@ -267,10 +322,7 @@ def _build_wan(path: Path) -> None:
         UMT5Config(vocab_size=len(tokenizer), d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
                    relative_attention_num_buckets=8)
     )
-    vae = AutoencoderKLWan(
-        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
-        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 2.5, 1.0],
-    )
+    vae = _tiny_wan_vae()
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
         text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=64,
@@ -279,6 +331,16 @@ def _build_wan(path: Path) -> None:
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae,
                        scheduler=scheduler)
     pipe.save_pretrained(path, safe_serialization=True)
+
+
+def _tiny_wan_vae():
+    """The Wan2.1 3D causal VAE (8x spatial, 4x temporal) with 4 latent channels and non-trivial statistics."""
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(
+        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 2.5, 1.0],
+    )
 
 
 def _tiny_umt5(tokenizer):
@@ -292,15 +354,12 @@ def _build_wan22(path: Path) -> None:
     """Wan2.2-T2V-A14B-like: `_build_wan`'s UMT5 and Wan2.1 VAE, two transformers of one config (the high-noise
     `transformer` and the low-noise `transformer_2`, initialised differently) and the real pipeline's
     boundary_ratio 0.875; the UniPC flow schedule at shift 3 puts steps on both sides of the boundary."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 
     tokenizer = tiny_t5_tokenizer(max_length=512)
     torch.manual_seed(TINY_SEED)
     text_encoder = _tiny_umt5(tokenizer)
-    vae = AutoencoderKLWan(
-        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
-        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 2.5, 1.0],
-    )
+    vae = _tiny_wan_vae()
     experts = [WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
         text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=64,
@@ -342,53 +401,26 @@ def _build_flux1_kontext(path: Path) -> None:
 
 def _build_qwen_image_edit(path: Path) -> None:
     """Qwen-Image-Edit-2511-like: `_build_qwen_image`'s 2-layer Qwen2.5-VL, whose 1-block vision tower now sees the
-    condition images through a real Qwen2VLProcessor (4 to 16 vision tokens per image), the QwenImage VAE,
-    scheduler and MMDiT, the latter with 2511's zero_cond_t (condition tokens modulated at t = 0). The tokenizer
-    is `tiny_qwen2_tokenizer` plus merges that make each word of the Edit pipeline's chat-template prefix and of
-    "Picture 1: " one token, as the real vocabulary does, so that the prefix the pipeline drops
-    (`prompt_template_encode_start_idx` = 64 tokens) is exactly the system prompt + "user\n"."""
-    import json
-    import re
-
+    condition images through the slow Qwen2VL image processor (4 to 16 vision tokens per image) in an image-only
+    processor (`_image_only_processor`), the QwenImage VAE, scheduler and MMDiT, the latter with 2511's zero_cond_t
+    (condition tokens modulated at t = 0). The tokenizer is `tiny_qwen2_tokenizer` plus merges that make each word
+    of the Edit pipeline's chat-template prefix and of "Picture 1: " one token, as the real vocabulary does, so
+    that the prefix the pipeline drops (`prompt_template_encode_start_idx` = 64 tokens) is exactly the system
+    prompt + "user\n"."""
     from diffusers import QwenImageEditPlusPipeline
-    from tokenizers.models import BPE
-    from transformers import Qwen2Tokenizer, Qwen2VLImageProcessorPil, Qwen2VLProcessor, Qwen2VLVideoProcessor
+    from transformers import Qwen2VLImageProcessorPil
 
-    from common.models.qwen_image_edit import processor_needs_torchvision
-    from common.utils import UserError
-
-    if processor_needs_torchvision():
-        raise UserError("the tiny Qwen-Image-Edit pipeline needs torchvision: this transformers builds "
-                        "Qwen2VLProcessor only with it; pip install torchvision")
     torch.manual_seed(TINY_SEED)
     vae, transformer = _tiny_qwen_vae(), _tiny_qwen_transformer(zero_cond_t=True)
     scheduler = _qwen_image_scheduler()
     # The pipeline first without its text side: its own chat template says which words the tokenizer needs.
     pipe = QwenImageEditPlusPipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, processor=None,
                                      transformer=transformer)
-    base = tiny_qwen2_tokenizer()
-    model = json.loads(base.backend_tokenizer.to_str())["model"]
-    vocab, merges = dict(model["vocab"]), [tuple(pair) for pair in model["merges"]]
-    specials = sorted(base.get_added_vocab(), key=base.get_added_vocab().get)  # <|endoftext|>, <|im_start|>, ...
-    text = pipe.prompt_template_encode.split("{}")[0] + "Picture 1: "
-    chunks = re.split("|".join(map(re.escape, specials)), text)
-    words = [w for chunk in chunks for w, _ in base.backend_tokenizer.pre_tokenizer.pre_tokenize_str(chunk)]
-    for word in dict.fromkeys(words):
-        # Merge the first two pieces BPE leaves until one remains. New merges rank last, so they never change
-        # how an earlier word (or a Qwen-Image template word) is split.
-        while len(pieces := [t.value for t in BPE(vocab=vocab, merges=merges).tokenize(word)]) > 1:
-            merges.append((pieces[0], pieces[1]))
-            vocab.setdefault(pieces[0] + pieces[1], len(vocab))
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, additional_special_tokens=specials[1:],
-                               model_max_length=2048)
+    tokenizer = _qwen2_tokenizer_with_words(pipe.prompt_template_encode.split("{}")[0] + "Picture 1: ")
     text_encoder = _tiny_qwen_vl(tokenizer)
-    video = {}
-    if "video_processor" in Qwen2VLProcessor.get_attributes():  # required by transformers, unused by the pipeline
-        video["video_processor"] = Qwen2VLVideoProcessor()
     # 28 = patch 14 x merge 2: one image token per 28x28 pixels, 4 to 16 tokens per image.
-    processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28,
-                                                                          max_pixels=16 * 28 * 28),
-                                 tokenizer=tokenizer, **video)
+    processor = _image_only_processor(Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28),
+                                      tokenizer)
     pipe.register_modules(text_encoder=text_encoder, tokenizer=tokenizer, processor=processor)
     pipe.save_pretrained(path, safe_serialization=True)
 
@@ -397,7 +429,7 @@ def _build_wan_i2v(path: Path) -> None:
     """Wan2.1-I2V-like: `_build_wan`'s UMT5 and VAE, a CLIP vision encoder whose penultimate hidden states feed
     the transformer's image projection (image_dim), and a transformer that takes the noise, the first-frame mask
     (one channel per frame of a latent frame: 4) and the condition latents: in_channels = 2·z_dim + 4."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+    from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
     from transformers import (CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config,
                               UMT5EncoderModel)
 
@@ -414,10 +446,7 @@ def _build_wan_i2v(path: Path) -> None:
     )
     # The real checkpoint's preprocessing (CLIP mean/std, shortest-edge resize, centre crop) at 32 pixels.
     image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    vae = AutoencoderKLWan(
-        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
-        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 2.5, 1.0],
-    )
+    vae = _tiny_wan_vae()
     # added_kv_proj_dim = the inner dim (as in the 14B model): the image tokens are projected to it first.
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=2 * 4 + 4, out_channels=4,
@@ -429,6 +458,115 @@ def _build_wan_i2v(path: Path) -> None:
                                    image_processor=image_processor, transformer=transformer, vae=vae,
                                    scheduler=scheduler)
     pipe.save_pretrained(path, safe_serialization=True)
+
+
+def _build_wan22_i2v(path: Path) -> None:
+    """Wan2.2-I2V-A14B-like: `_build_wan`'s UMT5 and VAE, no CLIP image encoder, two transformers of one config
+    without an image projection that take the noise, the first-frame mask (4) and the condition latents
+    (in_channels = 2·z_dim + 4, as the real 36 = 2·16 + 4), the A14B I2V boundary 0.9 and sample shift 5 (Wan2.2's
+    wan/configs/wan_i2v_A14B.py) as boundary_ratio and UniPC flow shift: 4 steps put two timesteps on each side of
+    the boundary (999, 937 | 833, 625)."""
+    from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+
+    tokenizer = tiny_t5_tokenizer(max_length=512)
+    torch.manual_seed(TINY_SEED)
+    text_encoder = _tiny_umt5(tokenizer)
+    vae = _tiny_wan_vae()
+    experts = [WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=2 * 4 + 4, out_channels=4,
+        text_dim=32, freq_dim=32, ffn_dim=32, num_layers=1, rope_max_seq_len=64,
+    ) for _ in range(2)]
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
+    pipe = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=experts[0],
+                                   transformer_2=experts[1], vae=vae, scheduler=scheduler, boundary_ratio=0.9)
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
+# Qwen2.5's chat template, as HunyuanVideo15Pipeline formats each prompt (a system turn, the user turn, the generation
+# prompt), without the tool and vision branches the text-to-video path never reaches.
+_QWEN25_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _tiny_hunyuan_video15_components():
+    """HunyuanVideo-1.5's text side and VAE at tiny width: a 3-layer Qwen2.5-VL text model (the pipeline reads its
+    third-to-last hidden state) behind Qwen2.5's chat template, whose byte-level tokenizer makes each word of the
+    pipeline's system prompt one token (as the real vocabulary does for most of them); ByT5 (the real byte tokenizer,
+    which needs no files) with a 2-layer T5 encoder for the quoted glyph text; the 16× spatial, 4× temporal
+    AutoencoderKLHunyuanVideo15 with 4 latent channels; FlowMatchEuler at the 480p models' flow shift 5."""
+    from diffusers import AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
+    from transformers import (ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, Qwen2Tokenizer, T5Config,
+                              T5EncoderModel)
+
+    # The pipeline's system prompt: its encoder's default argument (the pipeline sets the same text in __init__).
+    system = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters["system_message"].default
+    base = tiny_qwen2_tokenizer()
+    vocab, merges = _byte_level_bpe(_QWEN_TEMPLATE_WORDS)
+    _merge_into_single_tokens(vocab, merges, [w for text in (system, "system user assistant")
+                                              for w, _ in base.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)])
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    for token in specials:
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, additional_special_tokens=specials[1:],
+                               model_max_length=4096)
+    tokenizer.chat_template = _QWEN25_CHAT_TEMPLATE
+    ids = tokenizer.convert_tokens_to_ids
+    torch.manual_seed(TINY_SEED)
+    text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=4096, rope_theta=1e6,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>")))
+    tokenizer_2 = ByT5Tokenizer()
+    text_encoder_2 = T5EncoderModel(T5Config(vocab_size=len(tokenizer_2), d_model=16, d_ff=32, d_kv=8, num_heads=2,
+                                             num_layers=2, relative_attention_num_buckets=8))
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1,
+                                      spatial_compression_ratio=16, temporal_compression_ratio=4)
+    return dict(text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2,
+                tokenizer_2=tokenizer_2, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0))
+
+
+def _build_hunyuan_video15(path: Path) -> None:
+    """HunyuanVideo-1.5 480p T2V-like: `_tiny_hunyuan_video15_components` and a 1-block HunyuanVideo-1.5 DiT (one
+    token-refiner layer) that takes [noise, condition latents, mask] (in_channels = 2·4 + 1, as the real 65 = 2·32 + 1)
+    and the three context streams (Qwen text, ByT5 glyphs, SigLIP-width image tokens, all zero for text-to-video),
+    and the pipeline's ClassifierFreeGuidance at the published scale 6."""
+    from diffusers import ClassifierFreeGuidance, HunyuanVideo15Pipeline
+
+    components = _tiny_hunyuan_video15_components()
+    pipe = HunyuanVideo15Pipeline(transformer=_tiny_hunyuan_video15_transformer("t2v"),
+                                  guider=ClassifierFreeGuidance(guidance_scale=6.0), **components)
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
+def _build_hunyuan_video15_i2v(path: Path) -> None:
+    """HunyuanVideo-1.5 480p I2V-like: the T2V tiny's components and transformer config (task_type i2v), and a
+    1-layer SigLIP vision tower (32 px in 8 px patches: 16 image tokens; the real 384 px in 14 px patches gives 729)
+    whose width is the transformer's image_embed_dim, with SigLIP's own preprocessing at 32 px."""
+    from diffusers import ClassifierFreeGuidance, HunyuanVideo15ImageToVideoPipeline
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    components = _tiny_hunyuan_video15_components()
+    image_encoder = SiglipVisionModel(SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                         num_attention_heads=2, image_size=32, patch_size=8))
+    pipe = HunyuanVideo15ImageToVideoPipeline(
+        transformer=_tiny_hunyuan_video15_transformer("i2v"), guider=ClassifierFreeGuidance(guidance_scale=6.0),
+        image_encoder=image_encoder, feature_extractor=SiglipImageProcessor(size={"height": 32, "width": 32}),
+        **components)
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
+def _tiny_hunyuan_video15_transformer(task_type: str):
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    # head_dim 16 = sum(rope_axes_dim), as 128 = 16 + 56 + 56; target_size 32: the I2V bucket of a square image
+    return HunyuanVideo15Transformer3DModel(
+        in_channels=2 * 4 + 1, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=1,
+        num_refiner_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1, text_embed_dim=32, text_embed_2_dim=16,
+        image_embed_dim=16, rope_axes_dim=(4, 6, 6), target_size=32, task_type=task_type)
 
 
 # A Qwen3-style chat template: ZImagePipeline formats every prompt as one user turn with a generation prompt and
@@ -578,11 +716,153 @@ def _build_flux2_klein(path: Path) -> None:
     pipe.save_pretrained(path, safe_serialization=True)
 
 
+# Qwen3-VL's chat template for messages whose content is a list of parts, as QwenImage21Pipeline passes them
+# (it applies the template to its system message to count the tokens it drops).
+_QWEN3_VL_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{ message['content'] }}{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{ part['text'] }}"
+    "{%- elif part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{%- endif %}"
+    "{%- endfor %}{%- endif %}{{ '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _build_qwen_image21(path: Path) -> None:
+    """Qwen-Image-2.1-like: a 2-layer Qwen3-VL whose 1-block vision tower has the real 16-pixel patches and 2×2
+    merge (one vision token per 32×32 pixels = 2×2 latent tokens, the slots the transformer fills with condition
+    latents) behind the slow Qwen2VL image processor in an image-only processor (`_image_only_processor`), the
+    RGBA Qwen-Image-2.1 VAE (4 channels in and out, 16× spatial: five levels), the single-stream block-causal
+    transformer with causal_condition, and Qwen-Image's scheduler config (2.1's is not published apart from the
+    checkpoint; its README: flow-matching Euler with dynamic shifting). The tokenizer makes each word of the
+    pipeline's system prompt one token, as the real vocabulary does."""
+    from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline, QwenImage21Transformer2DModel
+    from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    torch.manual_seed(TINY_SEED)
+    z_dim = 8
+    vae = AutoencoderKLQwenImage21(
+        base_dim=8, decoder_base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=1,
+        temperal_downsample=[False, True, True, True], in_channels=4, out_channels=4,
+        latents_mean=[0.1, -0.2, 0.3, 0.0, 0.2, -0.1, 0.0, 0.1], latents_std=[1.5, 2.0, 2.5, 1.0, 1.2, 1.8, 2.2, 1.4],
+    )
+    # head_dim 16 = sum(axes_dims_rope); context_in_dim = the text encoder's width.
+    transformer = QwenImage21Transformer2DModel(
+        patch_size=1, in_channels=z_dim, out_channels=z_dim, num_layers=2, attention_head_dim=16,
+        num_attention_heads=2, context_in_dim=32, mlp_ratio=3, axes_dims_rope=(4, 6, 6), causal_condition=True,
+    )
+    system = "Comprehend and analyze the provided prompt."  # QwenImage21Pipeline.sys_prompt
+    tokenizer = _qwen2_tokenizer_with_words(f"system\n{system}\nuser\n assistant\n<image1>")
+    ids = tokenizer.convert_tokens_to_ids
+    text_encoder = Qwen3VLForConditionalGeneration(Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
+            # mrope_section sums to head_dim / 2 = 8 (temporal, height, width rotary frequencies)
+            rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 3, 3],
+                             "mrope_interleaved": True},
+            bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+        ),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                           deepstack_visual_indexes=[0]),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+    ))
+    # Qwen3-VL's image processor settings (16-pixel patches, mean = std = 0.5), 1 to 64 vision tokens per image.
+    image_processor = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
+                                               image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                                               min_pixels=32 * 32, max_pixels=64 * 32 * 32)
+    processor = _image_only_processor(image_processor, tokenizer, _QWEN3_VL_CHAT_TEMPLATE)
+    pipe = QwenImage21Pipeline(scheduler=_qwen_image_scheduler(), vae=vae, text_encoder=text_encoder,
+                               processor=processor, transformer=transformer)
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
+def tiny_gemma_tokenizer(max_length: int = 1024):
+    """A Gemma (SentencePiece-style BPE) tokenizer over single characters, with a merge of "▁" and each character
+    (a word-initial character is one token), Gemma's special tokens and its left padding."""
+    from transformers import GemmaTokenizer
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<image_soft_token>", "<start_of_image>",
+                "<end_of_image>"]
+    pieces = specials + ["▁"] + _characters() + ["▁" + c for c in _characters()]
+    return GemmaTokenizer(vocab={piece: i for i, piece in enumerate(pieces)},
+                          merges=[("▁", c) for c in _characters()], model_max_length=max_length)
+
+
+def _build_ltx2(path: Path) -> None:
+    """LTX-2-like: a 2-layer Gemma 3 (Gemma3ForConditionalGeneration, its SigLIP tower one layer, unused for text),
+    the LTX-2.0 text connectors (one shared projection of the stacked hidden states, one connector layer per
+    stream), the audio-video transformer with both streams and their cross-attention, the LTX-2 video VAE (a 2×2
+    pixel patchify and one spatio-temporal block: 4× spatial, 2× temporal; the real one is 32×, 8×) with non-trivial
+    latent statistics, the audio VAE (stereo mel spectrogram latents) and the vocoder, and the LTX-Video family's
+    scheduler config (μ shift fitted between 1024 and 4096 tokens, terminal σ stretched to 0.1)."""
+    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
+                           LTX2Pipeline, LTX2VideoTransformer3DModel)
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    tokenizer = tiny_gemma_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids
+    torch.manual_seed(TINY_SEED)
+    text_encoder = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024,
+                         sliding_window=16, pad_token_id=ids("<pad>"), eos_token_id=ids("<eos>"),
+                         bos_token_id=ids("<bos>")),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=ids("<image_soft_token>"), boi_token_index=ids("<start_of_image>"),
+        eoi_token_index=ids("<end_of_image>")))
+    connectors = LTX2TextConnectors(
+        caption_channels=16, text_proj_in_factor=3,  # 2 layers + the embeddings, stacked
+        video_connector_num_attention_heads=2, video_connector_attention_head_dim=8, video_connector_num_layers=1,
+        video_connector_num_learnable_registers=None, audio_connector_num_attention_heads=2,
+        audio_connector_attention_head_dim=8, audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=None, connector_rope_base_seq_len=32, rope_double_precision=False,
+        rope_type="split")
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
+        cross_attention_dim=16, audio_in_channels=2 * 2, audio_out_channels=2 * 2, audio_num_attention_heads=2,
+        audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2, caption_channels=16,
+        rope_double_precision=False, rope_type="split")
+    vae = AutoencoderKLLTX2Video(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,), decoder_block_out_channels=(8,),
+        layers_per_block=(1,), decoder_layers_per_block=(1, 1), spatio_temporal_scaling=(True,),
+        decoder_spatio_temporal_scaling=(True,), decoder_inject_noise=(False, False),
+        downsample_type=("spatiotemporal",), upsample_residual=(False,), upsample_factor=(1,),
+        timestep_conditioning=False, patch_size=2, patch_size_t=1, encoder_causal=True, decoder_causal=False)
+    audio_vae = AutoencoderKLLTX2Audio(
+        base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None, in_channels=2,
+        resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height", dropout=0.0,
+        mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=8)
+    with torch.no_grad():  # latent statistics that are not 0 and 1, so that a missed (de)normalisation shows
+        vae.latents_mean.copy_(torch.tensor([0.1, -0.2, 0.3, 0.0]))
+        vae.latents_std.copy_(torch.tensor([1.5, 2.0, 2.5, 1.0]))
+        audio_vae.latents_mean.copy_(torch.linspace(-0.2, 0.2, len(audio_vae.latents_mean)))
+        audio_vae.latents_std.copy_(torch.linspace(0.8, 1.6, len(audio_vae.latents_std)))
+    vocoder = LTX2Vocoder(
+        in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4], upsample_factors=[2, 2],
+        resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]], leaky_relu_negative_slope=0.1,
+        output_sampling_rate=16000)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
+        max_image_seq_len=4096, shift_terminal=0.1)
+    pipe = LTX2Pipeline(scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder,
+                        tokenizer=tokenizer, connectors=connectors, transformer=transformer, vocoder=vocoder)
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
 TINY_BUILDERS = {"flux1": _build_flux1, "sd3": _build_sd3, "qwen-image": _build_qwen_image, "wan": _build_wan,
                  "flux1-kontext": _build_flux1_kontext, "qwen-image-edit": _build_qwen_image_edit,
                  "wan-i2v": _build_wan_i2v, "wan2.2": _build_wan22, "wan2.2-5b": _build_wan22_5b,
+                 "wan2.2-i2v": _build_wan22_i2v, "hunyuan-video-1.5": _build_hunyuan_video15,
+                 "hunyuan-video-1.5-i2v": _build_hunyuan_video15_i2v,
                  "z-image": _build_z_image,
-                 "flux2": _build_flux2, "flux2-klein": _build_flux2_klein}
+                 "flux2": _build_flux2, "flux2-klein": _build_flux2_klein, "qwen-image-2.1": _build_qwen_image21,
+                 "ltx2": _build_ltx2}
 
 
 def tiny_model_path(model: str) -> Path:

@@ -113,6 +113,23 @@ def save_image_grid(images: torch.Tensor, path: str | Path, columns: int | None 
     return grid
 
 
+def save_wav(waveform: torch.Tensor, sample_rate: int, path: str | Path) -> None:
+    """Write one waveform (channels, samples), floats in [-1, 1] (clipped), as a 16-bit PCM .wav with the stdlib
+    `wave` module, atomically."""
+    import wave
+
+    pcm = (waveform.detach().float().clamp(-1, 1) * 32767).round().to(torch.int16).T.contiguous()  # interleaved
+    tmp = Path(path).with_name(f"{Path(path).name}.{os.getpid()}.tmp")
+    with disk_writes(path, remove=[tmp]):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with wave.open(str(tmp), "wb") as out:
+            out.setnchannels(waveform.shape[0])
+            out.setsampwidth(2)
+            out.setframerate(int(sample_rate))
+            out.writeframes(pcm.numpy().astype("<i2").tobytes())
+        os.replace(tmp, path)
+
+
 def log_image(accelerator, name: str, picture: Image.Image, step: int) -> None:
     """Send a picture to the active trackers (main process only: elsewhere the trackers are stubs)."""
     if not accelerator.is_main_process:

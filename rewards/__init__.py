@@ -16,11 +16,15 @@ The interface a reward follows (the built-in ones and the user's alike):
             return scores                     # B finite numbers (list, numpy or torch)
 A reward that judges an edit or an image-to-video sample against its input sets `wants_conditions = True` and is
 called as `__call__(images, prompts, conditions)`: conditions[i] is the list of sample i's condition images, each a
-(3, h, w) float tensor in [0, 1] at its file's own size. Every other reward is called as before.
-A reward that judges whole video clips sets `video = True` and receives (B, F, 3, H, W) (others score each frame and
-the scores are averaged); given an image model it stops the run with one line. `__call__` may return a dict: its
-"score" entry (B numbers) is the score, every other entry a named column of B numbers (e.g. per-dimension scores)
-logged as `reward_<name>_<column>_mean/_std` and `eval_reward_<name>_<column>`.
+(3, h, w) float tensor in [0, 1] at its file's own size. A reward that scores sound sets `wants_audio = True` and
+is called once per batch as `__call__(images, prompts[, conditions], audio=waveforms, sample_rate=hz)`: `images`
+the whole video (B, F, 3, H, W), `audio` the waveforms (B, channels, samples), float32, at `sample_rate` Hz (as the
+audio-video model's vocoder makes them; e.g. `audio_loudness`); with a model that makes no audio it stops the run
+with one line before anything is loaded. Every other reward is called as before (an audio-video model's frames
+only). A reward that judges whole video clips sets `video = True` and receives (B, F, 3, H, W) (others score each
+frame and the scores are averaged); given an image model it stops the run with one line. `__call__` may return a
+dict: its "score" entry (B numbers) is the score, every other entry a named column of B numbers (e.g. per-dimension
+scores) logged as `reward_<name>_<column>_mean/_std` and `eval_reward_<name>_<column>`.
 `__init__` gets `device`/`dtype` only when it names them. A plain function `(images, prompts) -> scores` works
 too (pointwise, no options). Rewards are called under torch.no_grad on detached images; one that raises or
 returns NaN/inf or the wrong number of scores stops the run with an error naming it.
@@ -39,6 +43,7 @@ import torch
 
 from common.scoring import Reward, call_reward, condition_tensors, score_samples  # noqa: F401 (re-exported)
 from common.utils import UserError
+from rewards.audio import AudioLoudness, AudioPitch
 from rewards.clip import Aesthetic, ClipScore, PickScore, PickScoreRank
 from rewards.imagereward import ImageReward
 from rewards.jpeg import jpeg_compressibility, jpeg_incompressibility
@@ -70,6 +75,8 @@ REWARDS = {
     "toy_edit": (ToyEditReward, False),
     "toy_video": (ToyVideoReward, False),
     "vlm_judge": (VlmJudge, False),
+    "audio_loudness": (AudioLoudness, False),
+    "audio_pitch": (AudioPitch, False),
 }
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -168,7 +175,7 @@ def load_rewards(specs: list[str], device=None, dtype=torch.float32) -> list[Rew
         name = name or getattr(scorer, "name", None) or default_name
         groupwise = bool(getattr(scorer, "groupwise", groupwise))
         rewards.append(Reward(name, weight, scorer, groupwise, bool(getattr(scorer, "wants_conditions", False)),
-                              bool(getattr(scorer, "video", False))))
+                              bool(getattr(scorer, "video", False)), bool(getattr(scorer, "wants_audio", False))))
     names = [r.name for r in rewards]
     if len(set(names)) != len(names):
         raise UserError(f"two rewards are named {max(names, key=names.count)!r} in {specs}: "

@@ -224,3 +224,23 @@ def sde_trajectory(adapter, cond, sigmas, seeds, dynamics, noise_level, guidance
             x = x_next
     out = tuple(torch.stack(values, dim=1) for values in stored)
     return out if keep_means else out[:3]
+
+
+def assert_tiny_rebuild_equals(model: str, path: Path, cache_root: Path) -> None:
+    """Building `model`'s tiny pipeline again under another cache root gives the same files: the same tensors in
+    the weights, the same bytes elsewhere (the caller points FLOWRL_CACHE at `cache_root`)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from common.tiny import tiny_model_path
+
+    rebuilt = tiny_model_path(model)
+    assert rebuilt.is_relative_to(cache_root)
+    files = sorted(p.relative_to(path) for p in path.rglob("*") if p.is_file())
+    assert rebuilt != path and files == sorted(p.relative_to(rebuilt) for p in rebuilt.rglob("*") if p.is_file())
+    for name in files:
+        if name.suffix == ".safetensors":
+            a, b = load_file(rebuilt / name), load_file(path / name)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+        else:
+            assert (rebuilt / name).read_bytes() == (path / name).read_bytes(), name

@@ -274,7 +274,7 @@ def test_two_processes(tmp_path):
     (["--num-sde-steps", "2", "--sde-window-range", "3", "9"], "--sde-window-range (3, 9) cannot hold 2 distinct"),
     (["--dynamics", "ode"], "invalid choice 'ode' for argument '--dynamics'"),
     (["--clip-range", "0.1"], "--clip-range"),
-    (["--preset", "huge"], "unknown preset 'huge'; choose one of: none, toy, toy-edit, tiny, sd3-flowdppo"),
+    (["--preset", "huge"], "unknown preset 'huge'; choose one of: none, toy, toy-edit, toy-video, tiny, sd3-flowdppo"),
 ])
 def test_bad_input_gives_one_line_error(tmp_path, flags, message):
     assert message in script_error("algos/dppo.py", *TINY, "--epochs", "1", "--output-dir", tmp_path / "out", *flags)

@@ -131,12 +131,13 @@ def _error_of(*args):
 
 @pytest.mark.parametrize("flags,message", [
     (["--model", "sd9"], "invalid choice 'sd9' for argument '--model'. Expected one of ('flux1', 'sd3'"),
-    (["--reward", "beauty"], "unknown reward 'beauty'; choose from: aesthetic, clip, jpeg_compressibility"),
+    (["--reward", "beauty"], "unknown reward 'beauty'; choose from: aesthetic, audio_loudness, audio_pitch, clip, "
+                             "editreward"),
     (["--dynamics", "langevin"], "'--dynamics'. Expected one of ('flow-sde', 'dance-sde', 'cps')"),
     (["--dynamics", "ode"], "invalid choice 'ode' for argument '--dynamics'"),
     (["--dataset", "/nonexistent/prompts"], "dataset folder '/nonexistent/prompts' does not exist"),
     (["--resolution", "72"], "resolution 72 is not a positive multiple of 16"),
-    (["--preset", "huge"], "unknown preset 'huge'; choose one of: none, toy, toy-edit, tiny, flux1-flowgrpo"),
+    (["--preset", "huge"], "unknown preset 'huge'; choose one of: none, toy, toy-edit, toy-video, tiny, flux1-flowgrpo"),
     (["--group-size", "0"], "--group-size must be at least 2 (advantages compare a sample with its group), got 0"),
     (["--learning-rate", "-1"], "--learning-rate must be positive, got -1.0"),
     (["--max-sequence-length", "0"], "--max-sequence-length must be at least 1, got 0"),

@@ -33,14 +33,7 @@ def restore_the_default_attention_backend():
     _AttentionBackendRegistry.set_active_backend(default)
 
 
-def tiny_adapter(model, monkeypatch=None):
-    if model == "qwen-image-edit":
-        from common.models.qwen_image_edit import processor_needs_torchvision
-        from transformers import Qwen2VLProcessor
-
-        if processor_needs_torchvision():  # as tests/test_qwen_image_edit.py: its processor without the video part
-            monkeypatch.setattr(Qwen2VLProcessor, "get_attributes",
-                                classmethod(lambda cls: ["image_processor", "tokenizer"]))
+def tiny_adapter(model):
     video = ADAPTERS[model].video
     return load_adapter(model, tiny_model_path(model), "cpu", torch.float32, 32 if video else 64,
                         512 if model == "wan-i2v" else 32, condition_size=32 if model == "flux1-kontext" else None)
@@ -67,8 +60,8 @@ def torch_count(fn) -> int:
 # ---- FLOPs -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("model", [m if m in FAST_MODELS else pytest.param(m, marks=SLOW) for m in MODELS])
-def test_forward_and_lora_backward_counts_equal_torchs_flop_counter(model, monkeypatch):
-    adapter = tiny_adapter(model, monkeypatch)
+def test_forward_and_lora_backward_counts_equal_torchs_flop_counter(model):
+    adapter = tiny_adapter(model)
     x, cond, guidance = batch(adapter)
     counter = FlopCounter()
     counter.attach(adapter.transformer)

@@ -260,7 +260,7 @@ def _error_of(*args):
 @pytest.mark.parametrize("flags,message", [
     (["--dynamics", "langevin"], "'--dynamics'. Expected one of ('dpm', 'ode', 'flow-sde', 'dance-sde', 'cps')"),
     (["--train-timesteps", "7"], "--train-timesteps 7 exceeds the 6 rollout steps that discrete_random may pick"),
-    (["--preset", "huge"], "unknown preset 'huge'; choose one of: none, toy, toy-edit, tiny, flux1, flux1-ocr"),
+    (["--preset", "huge"], "unknown preset 'huge'; choose one of: none, toy, toy-edit, toy-video, tiny, flux1, flux1-ocr"),
     (["--model", "sd3", "--guidance-scale", "4.5"], "nft is CFG-free: --guidance-scale 4.5 would turn on"),
 ])
 def test_bad_input_gives_one_line_error(tmp_path, flags, message):

@@ -1,13 +1,9 @@
 """Qwen-Image-Edit (`--model qwen-image-edit`, `QwenImageEditPlusPipeline`) on its tiny pipeline: the prompt
 embeddings and rollouts equal the pipeline's (one and two condition images, with and without true CFG, the
 pipeline's own resize and a fixed condition size), the ratio invariant with CFG, a LoRA that the stock pipeline
-loads, the embedding cache (condition latents included, cached = online, bitwise) and bad condition images.
-
-transformers 5 builds every Qwen2VLProcessor with a video processor, which needs torchvision; torchvision is not
-installable on the CPU-only machines this suite runs on, and the Edit pipeline never feeds the processor videos.
-Without torchvision this module therefore gives Qwen2VLProcessor only its image processor and tokenizer (the
-sub-processors transformers builds, saves and loads are read from `get_attributes`); everything the processor does
-to images and text is transformers' own code."""
+loads, the embedding cache (condition latents included, cached = online, bitwise) and bad condition images. The
+tiny pipeline's processor is image-only (common/tiny.py: it needs no torchvision); a checkpoint whose processor needs
+torchvision stops with one line where it is missing."""
 
 import pytest
 import torch
@@ -29,18 +25,8 @@ from conftest import ode_sample, sde_trajectory
 RESOLUTION, GUIDANCE, SIZE = 64, 4.0, 32  # SIZE: --condition-size of most tests (4 condition tokens per image)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def processor_without_video():
-    with pytest.MonkeyPatch.context() as patch:
-        if processor_needs_torchvision():
-            from transformers import Qwen2VLProcessor
-
-            patch.setattr(Qwen2VLProcessor, "get_attributes", classmethod(lambda cls: ["image_processor", "tokenizer"]))
-        yield
-
-
 @pytest.fixture(scope="module")
-def path(processor_without_video):
+def path():
     from common.tiny import tiny_model_path
 
     return tiny_model_path("qwen-image-edit")
@@ -179,20 +165,25 @@ def test_default_resize_is_the_pipelines(path, dataset):
                                stock(path, records, 1.0, 2, [5], "latent", condition_size=None), rtol=0, atol=2e-5)
 
 
-def test_without_torchvision_only_training_from_a_cache_loads(path):
-    """Where transformers cannot build a Qwen2VLProcessor (no torchvision), loading the text side stops with one
-    line; training from an embedding cache loads no processor and works."""
-    from transformers import Qwen2VLProcessor
+def test_a_processor_that_needs_torchvision_is_one_line_and_the_cache_path_still_loads(path, tmp_path):
+    """A checkpoint whose processor is Qwen2VLProcessor (the real ones'; transformers 5 builds it only with
+    torchvision, for its video half): where torchvision is missing, loading the text side stops with one line;
+    training from an embedding cache loads no processor and works."""
+    import json
+    import shutil
 
-    with pytest.MonkeyPatch.context() as patch:
-        if "get_attributes" in vars(Qwen2VLProcessor):  # this module's stand-in for torchvision
-            patch.delattr(Qwen2VLProcessor, "get_attributes")
-        if not processor_needs_torchvision():
-            pytest.skip("transformers builds Qwen2VLProcessor here")
-        with pytest.raises(UserError, match="prompt encoding needs torchvision") as error:
-            adapter_of(path, text_only=True)
-        assert "\n" not in str(error.value)
-        assert adapter_of(path, load_text_encoders=False).pipe.processor is None
+    real = tmp_path / "real"
+    shutil.copytree(path, real)
+    index = json.loads((real / "model_index.json").read_text())
+    assert index["processor"] == ["transformers", "PaddleOCRVLProcessor"]  # the tiny one: image-only
+    (real / "model_index.json").write_text(json.dumps({**index, "processor": ["transformers", "Qwen2VLProcessor"]}))
+    if not processor_needs_torchvision(str(real)):
+        pytest.skip("torchvision is installed: transformers builds Qwen2VLProcessor here")
+    assert not processor_needs_torchvision(str(path))
+    with pytest.raises(UserError, match="prompt encoding needs torchvision") as error:
+        adapter_of(real, text_only=True)
+    assert "\n" not in str(error.value)
+    assert adapter_of(real, load_text_encoders=False).pipe.processor is None
 
 
 def test_ratio_is_exactly_one_with_cfg(path, dataset):

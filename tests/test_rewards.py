@@ -161,7 +161,7 @@ def test_parse_reward_spec(spec, expected):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("pickscor", "unknown reward 'pickscor'; choose from: aesthetic, clip,"),
+    ("pickscor", "unknown reward 'pickscor'; choose from: aesthetic, audio_loudness, audio_pitch, clip,"),
     ("pickscore:abc", "reward weight in 'pickscore:abc' is not a number"),
     ("pickscore:inf", "reward weight in 'pickscore:inf' is not a number"),
     ("pickscore:1e999", "reward weight in 'pickscore:1e999' is not finite"),

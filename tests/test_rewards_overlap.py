@@ -138,7 +138,7 @@ def test_two_processes_score_the_same_with_and_without_workers(script, tmp_path,
 
 def failed_run(tmp_path, *rewards):
     out = tmp_path / "run"
-    result = run_script("algos/grpo.py", *SMALL[:-4], *[f for r in rewards for f in ("--reward", r)],
+    result = run_script("algos/grpo.py", *SMALL[:-6], *[f for r in rewards for f in ("--reward", r)],
                         "--output-dir", out, check=False, env=ENV)
     assert result.returncode == 2, result.stderr[-2000:]  # a UserError's status, not a crash's
     last = result.stderr.strip().splitlines()[-1]

@@ -279,7 +279,7 @@ def test_two_processes(tmp_path):
     (["--adv-soft-clip", "-1"], "--adv-soft-clip must be >= 0 (0: off), got -1.0"),
     (["--clip-range", "0"], "--clip-range must be positive (unset: no clip), got 0.0"),
     (["--kl-old", "-0.1"], "--kl-old and --kl-beta must be >= 0"),
-    (["--preset", "huge"], "unknown preset 'huge'; choose one of: none, toy, toy-edit, tiny, sd3-vgrpo"),
+    (["--preset", "huge"], "unknown preset 'huge'; choose one of: none, toy, toy-edit, toy-video, tiny, sd3-vgrpo"),
     (["--model", "sd3", "--guidance-scale", "4.5"], "vgrpo is CFG-free: --guidance-scale 4.5 would turn on"),
 ])
 def test_bad_input_gives_one_line_error(tmp_path, flags, message):

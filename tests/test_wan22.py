@@ -184,7 +184,7 @@ def test_train_experts_is_refused_for_other_models(tmp_path):
                         check=False)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == \
-        "error: --train-experts applies to wan2.2 (two experts), not to wan"
+        "error: --train-experts applies to two-expert models (wan2.2, wan2.2-i2v), not to wan"
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -1,7 +1,7 @@
 """Wan2.1 image-to-video (`--model wan-i2v`) on its tiny pipeline: parity with `WanImageToVideoPipeline` (true CFG
 included), the ratio invariant, a LoRA the stock pipeline loads (the image stream's add_k/add_v projections
 included), the embedding cache holding the CLIP embeddings and condition latents (cached = online, bitwise), and
-one-line refusals of bad settings and Wan2.2 checkpoints."""
+one-line refusals of bad settings and Wan2.2 TI2V checkpoints."""
 
 import json
 import shutil
@@ -176,7 +176,7 @@ def test_bad_input_is_refused_with_one_line(path, tmp_path):
     cases = [
         (dict(condition_size=64), "--condition-size 64 differs from --resolution 32: for Wan I2V the condition "
                                   "image is the video's first frame, at the output size"),
-        (dict(max_sequence_length=32), "max_sequence_length 32 is not 512, as Wan I2V requires"),
+        (dict(max_sequence_length=513), "max_sequence_length 513 is not in 1..512, as Wan I2V requires"),
         (dict(num_frames=6), "num_frames 6 is not 4k \\+ 1"),
     ]
     for kwargs, message in cases:
@@ -186,14 +186,13 @@ def test_bad_input_is_refused_with_one_line(path, tmp_path):
     with pytest.raises(UserError, match="resolution 24 is not a positive multiple of 16, as Wan I2V"):
         load_adapter("wan-i2v", str(path), "cpu", torch.float32, 24, text_only=True)
     adapter_of(path, condition_size=RESOLUTION, text_only=True)  # the output size itself is accepted
-    # Wan2.2 image-to-video: two experts (boundary_ratio) or TI2V's per-token timesteps, refused from the config.
-    for change in ({"boundary_ratio": 0.9}, {"expand_timesteps": True}):
-        folder = tmp_path / next(iter(change))
-        shutil.copytree(path, folder)
-        index = json.loads((folder / "model_index.json").read_text())
-        (folder / "model_index.json").write_text(json.dumps({**index, **change}))
-        with pytest.raises(UserError, match="is a Wan2.2 two-expert or per-token-timestep image-to-video checkpoint"):
-            adapter_of(folder)
+    # Wan2.2 image-to-video: TI2V's per-token timesteps, refused from the config (two experts: test_wan22_i2v.py).
+    folder = tmp_path / "expand_timesteps"
+    shutil.copytree(path, folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "expand_timesteps": True}))
+    with pytest.raises(UserError, match="is a Wan2.2 TI2V \\(per-token-timestep\\) image-to-video checkpoint"):
+        adapter_of(folder)
 
 
 def test_bf16_weights_keep_float32_outputs_and_cfg_needs_negatives(path):

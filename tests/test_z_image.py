@@ -17,7 +17,7 @@ from common.models import load_adapter
 from common.sampling import sample_generators
 from common.training import add_lora
 from common.utils import UserError
-from conftest import ode_sample, sde_trajectory
+from conftest import assert_tiny_rebuild_equals, ode_sample, sde_trajectory
 
 RESOLUTION, GUIDANCE = 32, 5.0  # w = 5 is the pipeline's guidance_scale 4 (Z-Image's, and Flow-Factory's)
 # Different lengths and different negative prompts, so masks, the caption lists and the negative rows all matter.
@@ -263,17 +263,5 @@ def test_bad_input_is_refused_with_one_line(path):
 
 
 def test_tiny_build_is_deterministic(tmp_path, monkeypatch, path):
-    from safetensors.torch import load_file
-
-    from common.tiny import tiny_model_path
-
     monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path))
-    rebuilt = tiny_model_path("z-image")
-    files = sorted(p.relative_to(path) for p in path.rglob("*") if p.is_file())
-    assert rebuilt != path and files == sorted(p.relative_to(rebuilt) for p in rebuilt.rglob("*") if p.is_file())
-    for name in files:
-        if name.suffix == ".safetensors":
-            a, b = load_file(rebuilt / name), load_file(path / name)
-            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
-        else:
-            assert (rebuilt / name).read_bytes() == (path / name).read_bytes(), name
+    assert_tiny_rebuild_equals("z-image", path, tmp_path)

@@ -9,13 +9,16 @@ import torch
 
 from common.models.flux import FluxAdapter
 from common.models.flux2 import Flux2Adapter, Flux2KleinAdapter
+from common.models.hunyuan_video15 import HunyuanVideo15Adapter, HunyuanVideo15ImageToVideoAdapter
 from common.models.kontext import FluxKontextAdapter
+from common.models.qwen_image21 import QwenImage21Adapter
+from common.models.ltx2 import LTX2Adapter
 from common.models.qwen_image_edit import QwenImageEditAdapter
 from common.models.wan_i2v import WanImageToVideoAdapter
 from common.models.qwen_image import QwenImageAdapter
 from common.models.sd3 import SD3Adapter
 from common.models.wan import WanAdapter
-from common.models.wan22 import Wan22Adapter, Wan22TI2VAdapter
+from common.models.wan22 import Wan22Adapter, Wan22ImageToVideoAdapter, Wan22TI2VAdapter
 from common.models.z_image import ZImageAdapter
 from common.utils import UserError
 
@@ -29,9 +32,14 @@ DEFAULT_MODEL_PATHS = {
     "wan-i2v": "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
     "wan2.2": "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
     "wan2.2-5b": "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+    "wan2.2-i2v": "Wan-AI/Wan2.2-I2V-A14B-Diffusers",
+    "hunyuan-video-1.5": "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v",  # the pipelines' docstring ids
+    "hunyuan-video-1.5-i2v": "hunyuanvideo-community/HunyuanVideo-1.5-480p_i2v",
     "flux2": "black-forest-labs/FLUX.2-dev",
     "flux2-klein": "black-forest-labs/FLUX.2-klein-base-9B",  # the non-distilled base
     "z-image": "Tongyi-MAI/Z-Image-Turbo",  # the distilled one; Tongyi-MAI/Z-Image is its base
+    "qwen-image-2.1": "Qwen/Qwen-Image-2.1",  # text-to-image and editing in one model
+    "ltx2": "Lightricks/LTX-2",
 }
 MODELS = tuple(DEFAULT_MODEL_PATHS)
 
@@ -52,8 +60,10 @@ def resolve_model_path(model: str, model_path: str | None) -> str:
 ADAPTERS = {"flux1": FluxAdapter, "sd3": SD3Adapter, "qwen-image": QwenImageAdapter, "wan": WanAdapter,
             "flux1-kontext": FluxKontextAdapter, "qwen-image-edit": QwenImageEditAdapter,
             "wan-i2v": WanImageToVideoAdapter, "wan2.2": Wan22Adapter, "wan2.2-5b": Wan22TI2VAdapter,
+            "wan2.2-i2v": Wan22ImageToVideoAdapter, "hunyuan-video-1.5": HunyuanVideo15Adapter,
+            "hunyuan-video-1.5-i2v": HunyuanVideo15ImageToVideoAdapter,
             "flux2": Flux2Adapter, "flux2-klein": Flux2KleinAdapter,
-            "z-image": ZImageAdapter}
+            "z-image": ZImageAdapter, "qwen-image-2.1": QwenImage21Adapter, "ltx2": LTX2Adapter}
 
 
 def load_adapter(model: str, model_path: str | None, device, dtype: torch.dtype, resolution: int,
@@ -76,7 +86,7 @@ def load_adapter(model: str, model_path: str | None, device, dtype: torch.dtype,
         extra["condition_size"] = condition_size
     if train_experts is not None:
         if not getattr(ADAPTERS[model], "two_experts", False):
-            raise UserError(f"train_experts applies to two-expert models (wan2.2), not to {model}")
+            raise UserError(f"train_experts applies to two-expert models (wan2.2, wan2.2-i2v), not to {model}")
         extra["train_experts"] = train_experts
     path = resolve_model_path(model, model_path)
     return ADAPTERS[model](path, device, dtype, resolution, max_sequence_length, load_text_encoders, text_only,

@@ -9,6 +9,46 @@ import torch
 from common.utils import UserError
 
 
+def component_class_name(model_path: str, component: str) -> str | None:
+    """The class the pipeline at `model_path` names for `component` in its model_index.json; None when it names
+    none or the config cannot be read (loading the pipeline then says why)."""
+    import diffusers
+
+    try:
+        entry = diffusers.DiffusionPipeline.load_config(model_path).get(component) or [None, None]
+    except (OSError, ValueError):
+        return None
+    return entry[1]
+class AudioVideo:
+    """What an audio-video model's `decode` returns: `video` (batch, F, 3, H, W) in [0, 1] and `audio`, waveforms
+    (batch, channels, samples) at `sample_rate` Hz, both float32. It goes where other models' decoded images go
+    (`scoring.submit(adapter.decode(x).cpu())`): rows index, concatenate and move together, and common/scoring.py
+    gives the frames to every reward and the waveforms to those that want them."""
+
+    def __init__(self, video: torch.Tensor, audio: torch.Tensor, sample_rate: int):
+        if len(video) != len(audio):
+            raise ValueError(f"{len(video)} videos and {len(audio)} waveforms differ")
+        self.video, self.audio, self.sample_rate = video, audio, int(sample_rate)
+
+    def __len__(self) -> int:
+        return len(self.video)
+
+    def __getitem__(self, rows) -> "AudioVideo":
+        rows = [rows] if isinstance(rows, int) else rows
+        return AudioVideo(self.video[rows], self.audio[rows], self.sample_rate)
+
+    def cpu(self) -> "AudioVideo":
+        return AudioVideo(self.video.cpu(), self.audio.cpu(), self.sample_rate)
+
+    def detach(self) -> "AudioVideo":
+        return AudioVideo(self.video.detach(), self.audio.detach(), self.sample_rate)
+
+    @staticmethod
+    def cat(parts: list["AudioVideo"]) -> "AudioVideo":
+        return AudioVideo(torch.cat([p.video for p in parts]), torch.cat([p.audio for p in parts]),
+                          parts[0].sample_rate)
+
+
 class _Adapter:
     """What the adapters share: loading a pipeline's components, parking the frozen text encoders on the CPU,
     autocast to the model dtype, and writing LoRA weights in the pipeline's own format."""
@@ -19,11 +59,13 @@ class _Adapter:
     true_cfg = False
     max_sequence_limit: int | None = None  # the longest prompt the text encoder path accepts, when bounded
     # Conditioned models (editing, image-to-video): how many condition images a prompt carries, fewest and most
-    # (None: any number), and the components that encode them, which preprocess.py loads beside the text encoders.
+    # (None: any number; fewest 0: optional, Qwen-Image 2.1's text-to-image rows have none), and the components that
+    # encode them, which preprocess.py loads beside the text encoders.
     # Their `encode_prompts(texts, images)` returns the condition tensors with the text embeddings, so the cache
     # and every script carry them in the same `cond` dict that `velocity` reads.
     condition_images: tuple[int, int | None] = (0, 0)
     video = False  # decodes (batch, frames, 3, H, W) and takes num_frames
+    audio = False  # decodes an AudioVideo (frames and waveforms) from one joint latent
     condition_components: tuple[str, ...] = ()
     model_components: tuple[str, ...] = ("transformer", "vae")  # what text_only (preprocess.py) leaves unloaded
 
@@ -153,10 +195,14 @@ class _Adapter:
     def count_truncated(self, texts: list[str]) -> int:
         """How many of `texts` are longer than max_sequence_length tokens of the sequence encoder (T5, UMT5 or the
         Qwen2.5-VL text): the pipelines truncate them silently. 0 when the tokenizers were not loaded (cache)."""
-        tokenizer = getattr(self.pipe, self.long_tokenizer, None)
+        tokenizer = self._sequence_tokenizer()
         if tokenizer is None:
             return 0
         return sum(len(tokenizer(text).input_ids) > self.max_sequence_length for text in texts)
+
+    def _sequence_tokenizer(self):
+        """The sequence encoder's tokenizer (None when not loaded)."""
+        return getattr(self.pipe, self.long_tokenizer, None)
 
     def _require_text_encoders(self) -> None:
         if not self.text_encoders:

@@ -5,22 +5,15 @@ import sys
 import numpy as np
 import torch
 
-from common.models.base import _Adapter
+from common.models.base import _Adapter, component_class_name
 from common.utils import UserError
 
 
 def _processor_needs_torchvision(model_path: str) -> bool:
     """Whether the checkpoint's tokenizer is a PixtralProcessor (FLUX.2 [dev]'s) and torchvision is missing."""
-    import diffusers
     from transformers.utils import is_torchvision_available
 
-    if is_torchvision_available():
-        return False
-    try:
-        tokenizer = diffusers.DiffusionPipeline.load_config(model_path).get("tokenizer") or [None, None]
-    except (OSError, ValueError):
-        return False  # _load reports the unreadable path
-    return tokenizer[1] == "PixtralProcessor"
+    return not is_torchvision_available() and component_class_name(model_path, "tokenizer") == "PixtralProcessor"
 
 
 class Flux2Adapter(_Adapter):

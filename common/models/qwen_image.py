@@ -33,7 +33,7 @@ class QwenImageAdapter(_Adapter):
         self._load(model_path, device, dtype, load_text_encoders, text_only, max_sequence_length)
         if text_only:
             return
-        if self.config.guidance_embeds:
+        if getattr(self.config, "guidance_embeds", False):
             raise UserError(f"{model_path!r} is a guidance-distilled Qwen-Image transformer, which this adapter "
                             f"does not support (it runs true CFG)")
         self.vae_scale_factor = self.pipe.vae_scale_factor
@@ -41,7 +41,9 @@ class QwenImageAdapter(_Adapter):
         self._check_resolution(resolution, multiple)
         self.height = self.width = resolution
         self.latent_h = self.latent_w = 2 * (resolution // multiple)
-        self.num_channels = self.config.in_channels // 4
+        patch = self.config.patch_size ** 2  # 2x2 latents fold into one token's channels (Qwen-Image; 2.1: 1x1)
+        self.num_channels = self.config.in_channels // patch
+        self.image_tokens = self.latent_h * self.latent_w // patch  # the target's tokens
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -71,7 +73,7 @@ class QwenImageAdapter(_Adapter):
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
         cfg = self.scheduler.config
-        mu = calculate_shift((self.latent_h // 2) * (self.latent_w // 2), cfg.get("base_image_seq_len", 256),
+        mu = calculate_shift(self.image_tokens, cfg.get("base_image_seq_len", 256),
                              cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
         retrieve_timesteps(self.scheduler, num_steps, "cpu", sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
         return self.scheduler.sigmas.float().to(self.device)

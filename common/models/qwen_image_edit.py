@@ -6,6 +6,7 @@ modulated at t = 0) is the transformer's own business: it reads the per-image `i
 
 import torch
 
+from common.models.base import component_class_name
 from common.models.qwen_image import QwenImageAdapter
 from common.utils import UserError
 
@@ -15,13 +16,16 @@ from common.utils import UserError
 PICTURE_FRAMING = "Picture {}: <|vision_start|><|vision_end|>"
 
 
-def processor_needs_torchvision() -> bool:
-    """Whether transformers cannot build a Qwen2VLProcessor here: it always has a video processor (transformers 5),
-    which needs torchvision, although the Edit pipeline feeds it images only."""
-    from transformers import Qwen2VLProcessor
+def processor_needs_torchvision(model_path: str) -> bool:
+    """Whether the VL processor the pipeline at `model_path` names cannot be built here: transformers 5 gives
+    Qwen2VLProcessor and Qwen3VLProcessor a video processor, which needs torchvision, although the editing pipelines
+    feed them images only. (The tiny pipelines save an image-only processor: common/tiny.py.)"""
+    import transformers
     from transformers.utils import is_torchvision_available
 
-    return not is_torchvision_available() and "video_processor" in Qwen2VLProcessor.get_attributes()
+    processor = getattr(transformers, component_class_name(model_path, "processor") or "", None)
+    return not is_torchvision_available() and processor is not None and \
+        "video_processor" in processor.get_attributes()
 
 
 class QwenImageEditAdapter(QwenImageAdapter):
@@ -61,9 +65,10 @@ class QwenImageEditAdapter(QwenImageAdapter):
     def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
                  max_sequence_length: int = 512, load_text_encoders: bool = True, text_only: bool = False,
                  condition_size: int | None = None):
-        if load_text_encoders and processor_needs_torchvision():
+        loads_processor = load_text_encoders or "processor" not in self.text_components
+        if loads_processor and processor_needs_torchvision(model_path):
             raise UserError(f"{self.display_name}'s prompt encoding needs torchvision: this transformers builds "
-                            f"Qwen2VLProcessor only with it (for a video half editing never uses); pip install "
+                            f"its VL processor only with it (for a video half editing never uses); pip install "
                             f"torchvision, or train from an embedding cache made where it is installed")
         super().__init__(model_path, device, dtype, resolution, max_sequence_length, load_text_encoders, text_only)
         # Condition preprocessing is set up for text-only loads too: preprocess.py encodes the conditions.
@@ -106,7 +111,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
         first = None
         for record in records:
             tokens = []
-            if self.pipe.processor is not None:  # else a cache holds the embeddings already
+            if self.text_encoders:  # else a cache holds the embeddings already
                 for path in record.images:
                     with Image.open(path) as image:
                         tokens.append(self._vision_tokens(*image.size))

@@ -92,19 +92,29 @@ class WanAdapter(_Adapter):
         """The timestep input of the transformer (Wan2.2-5B: one per latent token)."""
         return self._timestep(sigma)
 
+    def _model_input(self, latents: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The transformer's hidden_states (image-to-video: the condition channels after the latents)."""
+        return latents
+
+    def _extra_inputs(self, cond: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The transformer's inputs besides latents, timestep and text (Wan2.1 I2V: the CLIP image tokens)."""
+        return {}
+
     def _guided(self, latents: torch.Tensor, sigma: torch.Tensor, cond: dict[str, torch.Tensor], guidance_scale,
                 transformer) -> torch.Tensor:
         """The transformer's output at per-sample σ; with `guidance_scale` (a number, or per sample shaped to
         broadcast over the latents; None: no CFG) negative and positive conditioning run as one batch."""
-        timestep, embeds, x = self._transformer_timestep(sigma, latents), cond["prompt_embeds"], latents
+        timestep, embeds = self._transformer_timestep(sigma, latents), cond["prompt_embeds"]
+        x, extra = self._model_input(latents, cond), self._extra_inputs(cond)
         cfg = guidance_scale is not None
-        if cfg:
+        if cfg:  # only the text differs between the branches: the condition inputs are the positive ones twice
             embeds = torch.cat([cond["negative_prompt_embeds"], embeds])
             x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
+            extra = {name: torch.cat([value, value]) for name, value in extra.items()}
         model = self.transformer if transformer is None else transformer
         with self._autocast():
-            out = model(hidden_states=x.to(self.dtype), timestep=timestep,
-                                   encoder_hidden_states=embeds.to(self.dtype), return_dict=False)[0].float()
+            out = model(hidden_states=x.to(self.dtype), timestep=timestep, encoder_hidden_states=embeds.to(self.dtype),
+                        return_dict=False, **{name: value.to(self.dtype) for name, value in extra.items()})[0].float()
         if cfg:
             uncond, text = out.chunk(2)
             out = uncond + guidance_scale * (text - uncond)

@@ -9,6 +9,8 @@ import torch
 
 from common.checkpoint import LORA_FILE_2
 from common.models.wan import WanAdapter
+from common.models.wan_i2v import WanImageToVideoAdapter
+from common.parallel import sequence_parallel_degree
 from common.utils import UserError
 
 EXPERTS = ("transformer", "transformer_2")  # high noise, low noise: WanPipeline's component names
@@ -68,9 +70,10 @@ class WanExperts(torch.nn.Module):
                                     encoder_hidden_states=encoder_hidden_states, return_dict=False, **kwargs)[0])
                 order.append(index)
             elif len(index):
+                rows_only = {k: v[index] if torch.is_tensor(v) else v for k, v in kwargs.items()}
                 parts.append(expert(hidden_states=hidden_states[index], timestep=timestep[index],
                                     encoder_hidden_states=encoder_hidden_states[index], return_dict=False,
-                                    **kwargs)[0])
+                                    **rows_only)[0])
                 order.append(index)
             elif needed or (torch.is_grad_enabled() and any(p.requires_grad for p in expert.parameters())):
                 # Another process runs this expert (take part in its collectives), or DDP expects a gradient for
@@ -78,9 +81,12 @@ class WanExperts(torch.nn.Module):
                 # same zero gradients): contribute nothing.
                 patch = expert.config.patch_size
                 token = hidden_states[:1, :, :patch[0], :patch[1], :patch[2]]
+                if sequence_parallel_degree(expert) > 1:  # a whole sample, which splits as the real ones do
+                    token = hidden_states[:1]
+                first = {k: v[:1] if torch.is_tensor(v) else v for k, v in kwargs.items()}
                 idle.append(expert(hidden_states=token, timestep=timestep[:1],
                                    encoder_hidden_states=encoder_hidden_states[:1, :1], return_dict=False,
-                                   **kwargs)[0].sum())
+                                   **first)[0].sum())
         out = parts[0] if len(parts) == 1 else torch.cat(parts)[torch.argsort(torch.cat(order))]
         for dummy in idle:
             out = out + 0 * dummy
@@ -146,9 +152,10 @@ class Wan22Adapter(WanAdapter):
 
     def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
                  max_sequence_length: int = 512, load_text_encoders: bool = True, text_only: bool = False,
-                 num_frames: int = 33, train_experts: str = "both"):
+                 train_experts: str = "both", **video):
+        """`video`: num_frames, and condition_size for image-to-video (`Wan22ImageToVideoAdapter`)."""
         super().__init__(model_path, device, dtype, resolution, max_sequence_length, load_text_encoders, text_only,
-                         num_frames)
+                         **video)
         if text_only:
             return
         boundary = self.pipe.config.boundary_ratio * self.scheduler.config.num_train_timesteps
@@ -194,6 +201,21 @@ class Wan22Adapter(WanAdapter):
         mask = os.umask(0)
         os.umask(mask)
         os.chmod(second, 0o666 & ~mask)  # safetensors writes 0600; setup.save opens up the usual file likewise
+
+
+class Wan22ImageToVideoAdapter(Wan22Adapter, WanImageToVideoAdapter):
+    """Wan2.2-I2V-A14B over `WanImageToVideoPipeline`'s components: Wan2.1 I2V's condition (`WanImageToVideoAdapter`:
+    the first-frame mask and the VAE latents of [image, black frames...] concatenated after the noisy latents along
+    channels, in_channels 36), without its CLIP image tokens (the transformer has no image projection, so the
+    pipeline encodes none and the prompt is not padded to 512), and Wan2.2's two experts (`Wan22Adapter`: the
+    routing at boundary_ratio, each expert's CFG scale, the two LoRA files). The composition is the MRO: the
+    experts' methods first, then the image-to-video loading, condition and model input."""
+
+    display_name = "Wan2.2 I2V"
+    # Wan2.2's I2V-A14B setting (wan/configs/wan_i2v_A14B.py: sample_guide_scale (3.5, 3.5), for both experts).
+    default_guidance_scale = (3.5, 3.5)
+    text_components = ("text_encoder", "tokenizer")  # no CLIP image encoder in the checkpoint
+    max_sequence_limit = None  # no image tokens: the 512-token split does not apply
 
 
 class Wan22TI2VAdapter(WanAdapter):

@@ -1,6 +1,7 @@
 """Wan2.1 image-to-video (`WanImageToVideoPipeline`): the condition image is the first frame. Its CLIP embeddings
 join the text as extra cross-attention tokens, and its VAE latents (the first frame followed by black frames) with
-a first-frame mask are concatenated to the noisy latents along channels, as the pipeline does."""
+a first-frame mask are concatenated to the noisy latents along channels, as the pipeline does. Wan2.2 I2V A14B
+(common/models/wan22.py) adds its two experts to this condition, without the CLIP tokens."""
 
 import torch
 
@@ -13,7 +14,7 @@ class WanImageToVideoAdapter(WanAdapter):
     schedule and integer timesteps, true CFG) plus the condition image, which is the video's first frame at the
     output size. `encode_prompts` returns, per prompt and its image:
 
-    - `prompt_embeds`: UMT5 states (as `WanAdapter`);
+    - `prompt_embeds`: UMT5 states (as `WanAdapter`), zero-padded to 512 rows (`text_tokens`);
     - `image_embeds`: the CLIP vision encoder's penultimate hidden states (`pipe.encode_image`), the
       transformer's `encoder_hidden_states_image`;
     - `image_condition`: (4 mask + z_dim) channels × latent frames × H/8 × W/8, the tensor `prepare_latents`
@@ -30,7 +31,12 @@ class WanImageToVideoAdapter(WanAdapter):
     text_components = ("text_encoder", "tokenizer", "image_encoder", "image_processor")
     condition_images = (1, 1)
     condition_components = ("vae",)  # condition latents are cached: preprocess.py VAE-encodes them
-    text_tokens = 512  # WanAttnProcessor takes all but the last 512 context tokens as image tokens (hardcoded)
+    # WanAttnProcessor takes all but the last 512 context tokens as image tokens (hardcoded) where the transformer
+    # has an image projection (Wan2.1): the prompt embeddings are zero-padded to 512 rows whatever
+    # max_sequence_length (which bounds the prompt, up to 512), as the pipeline pads them at its 512.
+    text_tokens = 512
+    max_sequence_limit = 512
+    two_experts = False  # Wan2.2 I2V A14B (common/models/wan22.py) is the two-expert subclass
 
     def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
                  max_sequence_length: int = 512, load_text_encoders: bool = True, text_only: bool = False,
@@ -38,26 +44,28 @@ class WanImageToVideoAdapter(WanAdapter):
         if condition_size is not None and condition_size != resolution:
             raise UserError(f"--condition-size {condition_size} differs from --resolution {resolution}: for "
                             f"{self.display_name} the condition image is the video's first frame, at the output size")
-        if max_sequence_length != self.text_tokens:
-            raise UserError(f"max_sequence_length {max_sequence_length} is not {self.text_tokens}, as "
-                            f"{self.display_name} requires (its transformer splits image from text tokens at "
-                            f"{self.text_tokens} text tokens)")
         from diffusers.utils import is_ftfy_available
 
         if load_text_encoders and not is_ftfy_available():  # WanImageToVideoPipeline cleans prompts with it, unguarded
             raise UserError(f"{self.display_name}'s prompt encoding needs the ftfy package: pip install ftfy")
-        self._refuse_unsupported(model_path)
+        self._refuse_other_wan(model_path)
         self._load(model_path, device, dtype, load_text_encoders, text_only, max_sequence_length)
-        if self.pipe.image_encoder is not None:  # frozen like the text encoder, parked on the CPU between uses
-            self.pipe.image_encoder.requires_grad_(False).to(self.offload_device)
-            self.text_encoders.append(self.pipe.image_encoder)
-        elif load_text_encoders:
-            raise UserError(f"{model_path!r} has no CLIP image_encoder: it is not a Wan2.1 image-to-video checkpoint")
         # What the condition tensors need is set before the text-only return: preprocess.py builds them.
         self.vae_scale_factor = self.pipe.vae_scale_factor_spatial
         self.temporal_factor = self.pipe.vae_scale_factor_temporal
         transformer_config = (self.pipe.transformer.config if self.pipe.transformer is not None
                               else self._transformer_config(model_path))
+        # Wan2.1's transformer takes CLIP image tokens; Wan2.2 A14B's has no image projection and the pipeline
+        # encodes none (its `image_dim is not None` test, followed here).
+        self.image_tokens = transformer_config["image_dim"] is not None
+        if not self.image_tokens and not self.two_experts:
+            raise UserError(f"{model_path!r}: its transformer has no image projection (image_dim); only Wan2.1 "
+                            f"image-to-video checkpoints are supported")
+        if self.image_tokens and self.pipe.image_encoder is not None:  # frozen, parked on the CPU between uses
+            self.pipe.image_encoder.requires_grad_(False).to(self.offload_device)
+            self.text_encoders.append(self.pipe.image_encoder)
+        elif self.image_tokens and load_text_encoders:
+            raise UserError(f"{model_path!r} has no CLIP image_encoder: it is not a Wan2.1 image-to-video checkpoint")
         self._check_resolution(resolution, self.vae_scale_factor * transformer_config["patch_size"][1])
         if num_frames < 1 or (num_frames - 1) % self.temporal_factor:
             raise UserError(f"num_frames {num_frames} is not {self.temporal_factor}k + 1 (e.g. 33 or 81), "
@@ -65,14 +73,11 @@ class WanImageToVideoAdapter(WanAdapter):
         self.height = self.width = resolution
         self.num_frames = num_frames
         self.condition_size = condition_size
-        if transformer_config["image_dim"] is None:
-            raise UserError(f"{model_path!r}: its transformer has no image projection (image_dim); only Wan2.1 "
-                            f"image-to-video checkpoints are supported")
 
-    def _refuse_unsupported(self, model_path: str) -> None:
-        """Refuse Wan2.2 image-to-video checkpoints (two experts switched at boundary_ratio, or TI2V's per-token
-        timesteps) from model_index.json alone, before any weights load. Unreadable configs are left to `_load`,
-        which reports them."""
+    def _refuse_other_wan(self, model_path: str) -> None:
+        """Send a Wan2.1 image-to-video checkpoint to wan-i2v and a Wan2.2 A14B one (two experts switched at
+        boundary_ratio) to wan2.2-i2v, and refuse TI2V's per-token timesteps, from model_index.json alone, before
+        any weights load. Unreadable configs are left to `_load`, which reports them."""
         import diffusers
 
         try:
@@ -81,10 +86,16 @@ class WanImageToVideoAdapter(WanAdapter):
             return
         if config.get("_class_name") != self.pipeline_class_name:
             return
-        two_experts = (config.get("transformer_2") or [None])[0] is not None or config.get("boundary_ratio") is not None
-        if two_experts or config.get("expand_timesteps", False):
-            raise UserError(f"{model_path!r} is a Wan2.2 two-expert or per-token-timestep image-to-video checkpoint; "
-                            f"only single-transformer Wan2.1 image-to-video checkpoints are supported for now")
+        if config.get("expand_timesteps", False):
+            raise UserError(f"{model_path!r} is a Wan2.2 TI2V (per-token-timestep) image-to-video checkpoint; only "
+                            f"Wan2.1 (--model wan-i2v) and Wan2.2 A14B (--model wan2.2-i2v) image-to-video "
+                            f"checkpoints are supported")
+        two_experts = ((config.get("transformer_2") or [None])[0] is not None
+                       and config.get("boundary_ratio") is not None)
+        if two_experts != self.two_experts:
+            kind, model = (("a Wan2.2 two-expert", "wan2.2-i2v") if two_experts
+                           else ("a single-transformer (Wan2.1)", "wan-i2v"))
+            raise UserError(f"{model_path!r} is {kind} image-to-video checkpoint: use --model {model}")
 
     def _transformer_config(self, model_path: str) -> dict:
         """The transformer's config without its weights (text-only loads)."""
@@ -107,12 +118,17 @@ class WanImageToVideoAdapter(WanAdapter):
         if len(images) != len(prompts) or any(len(group) != 1 for group in images):
             raise ValueError(f"{self.display_name} takes exactly one condition image per prompt")
         cond = super().encode_prompts(prompts)
+        if self.image_tokens:
+            text = cond["prompt_embeds"]
+            cond["prompt_embeds"] = torch.cat(
+                [text, text.new_zeros(len(prompts), self.text_tokens - text.shape[1], text.shape[2])], dim=1)
         pipe, channels = self.pipe, self.pipe.vae.config.z_dim
         latent_shape = (1, channels, (self.num_frames - 1) // self.temporal_factor + 1,
                         self.height // self.vae_scale_factor, self.width // self.vae_scale_factor)
         embeds, conditions = [], []
         for (image,) in images:
-            embeds.append(pipe.encode_image(image, self.device))  # CLIP sees the image as given, as in the pipeline
+            if self.image_tokens:  # CLIP sees the image as given, as in the pipeline
+                embeds.append(pipe.encode_image(image, self.device))
             pixels = pipe.video_processor.preprocess(image, height=self.height, width=self.width)
             # Given latents, prepare_latents draws no noise (the global RNG stays untouched); its condition is the
             # VAE mode of [first frame, zeros...], normalised, after the first-frame mask.
@@ -120,7 +136,8 @@ class WanImageToVideoAdapter(WanAdapter):
                 pixels.to(self.device, torch.float32), 1, channels, self.height, self.width, self.num_frames,
                 torch.float32, self.device, generator=None, latents=torch.zeros(latent_shape, device=self.device))
             conditions.append(condition.to(self.dtype))
-        return {**cond, "image_embeds": torch.cat(embeds), "image_condition": torch.cat(conditions)}
+        cond["image_condition"] = torch.cat(conditions)
+        return {**cond, "image_embeds": torch.cat(embeds)} if self.image_tokens else cond
 
     def noise(self, generators: list[torch.Generator]) -> torch.Tensor:
         """Initial latents (batch, z_dim, latent frames, H/8, W/8), float32: the VAE's channels, not the
@@ -131,26 +148,10 @@ class WanImageToVideoAdapter(WanAdapter):
                  self.height // self.vae_scale_factor, self.width // self.vae_scale_factor)
         return randn_tensor(shape, generator=generators, device=self.device, dtype=torch.float32)
 
-    def velocity(self, latents: torch.Tensor, sigma, cond: dict[str, torch.Tensor],
-                 guidance_scale: float = 5.0, transformer=None) -> torch.Tensor:
-        """v_θ(x_σ, σ, c) in float32 over [x_σ, image_condition] along channels; with guidance_scale > 1 the
-        negative and positive prompts run as one batch of 2B, v_neg + w·(v_pos − v_neg). As in the pipeline,
-        only the text differs between the two branches: both see the same image embeddings and condition
-        latents (the cache's negative_image_* copies are equal and unused)."""
-        batch = latents.shape[0]
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(batch)
-        timestep, embeds, image_embeds = self._timestep(sigma), cond["prompt_embeds"], cond["image_embeds"]
-        x = torch.cat([latents, cond["image_condition"].to(latents.dtype)], dim=1)
-        cfg = self._with_negatives(cond, guidance_scale)
-        if cfg:
-            embeds = torch.cat([cond["negative_prompt_embeds"], embeds])
-            image_embeds = torch.cat([image_embeds, image_embeds])
-            x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
-        model = self.transformer if transformer is None else transformer
-        with self._autocast():
-            out = model(hidden_states=x.to(self.dtype), timestep=timestep, encoder_hidden_states=embeds.to(self.dtype),
-                        encoder_hidden_states_image=image_embeds.to(self.dtype), return_dict=False)[0].float()
-        if cfg:
-            uncond, text = out.chunk(2)
-            out = uncond + guidance_scale * (text - uncond)
-        return out
+    def _model_input(self, latents: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[x_σ, image_condition] along channels, as the pipeline concatenates them."""
+        return torch.cat([latents, cond["image_condition"].to(latents.dtype)], dim=1)
+
+    def _extra_inputs(self, cond: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The CLIP image tokens, where the transformer takes them (Wan2.1; Wan2.2 I2V has no image projection)."""
+        return {"encoder_hidden_states_image": cond["image_embeds"]} if "image_embeds" in cond else {}

@@ -1,0 +1,188 @@
+"""LTX-2 text-to-audio-video (`LTX2Pipeline`): one transformer denoises a video latent and an audio latent together,
+at one σ; the adapter presents the pair as ONE latent tensor, so that the SDE steps, log-probs and every script treat
+it as any other model's latents."""
+
+import numpy as np
+import torch
+
+from common.models.base import AudioVideo, _Adapter
+from common.utils import UserError
+
+
+class LTX2Adapter(_Adapter):
+    """LTX-2 over `LTX2Pipeline`'s components: Gemma 3 (every hidden layer, stacked) and the text connectors, the
+    LTX-2 video VAE, the audio VAE (mel spectrogram latents) and the vocoder, and the audio-video transformer.
+
+    The state is the joint latent (batch, N): the pipeline's packed video tokens (batch, frames·h·w, C_v) flattened,
+    followed by its packed, normalised audio tokens (batch, audio frames, C_a·mel bins) flattened. `velocity` splits
+    it, runs the transformer once on both streams and joins the two velocities the same way, so one SDE step (and
+    one log-prob, averaged over all N elements of both modalities) covers video and audio: a single policy.
+
+    Both streams share the σ schedule (the pipeline steps a copy of one scheduler for the audio) and the timestep
+    σ·1000. Guidance is true CFG per modality, a (video, audio) pair of scales (one number: both): the pipeline's
+    x0-space delta form with only its CFG term, v_neg + w·(v_pos − v_neg) (the same, algebraically); its
+    spatio-temporal, modality-isolation guidance and guidance rescale are not used (each costs another transformer
+    forward or ties samples of a batch, and the stock pipeline reproduces our samples with them off).
+
+    `decode` returns an `AudioVideo`: frames (batch, F, 3, H, W) in [0, 1] and the vocoder's waveforms (batch,
+    channels, samples) at `sample_rate`. The frame rate is the pipeline's default 24 fps; it sets the audio length
+    (F / 24 s) and the video's RoPE positions."""
+
+    pipeline_class_name = "LTX2Pipeline"
+    display_name = "LTX-2"
+    # LTX2Pipeline's (video, audio) CFG defaults, the ltx-pipelines reference settings for LTX-2.
+    default_guidance_scale = (3.0, 7.0)
+    text_components = ("text_encoder", "tokenizer", "connectors")
+    model_components = ("transformer", "vae", "audio_vae", "vocoder")
+    long_tokenizer = "tokenizer"
+    true_cfg = True
+    video = True
+    audio = True  # decodes an AudioVideo
+    frame_rate = 24.0
+    # Every attention of both streams (self, text cross-attention, audio↔video cross-attention): the names LTX-2's
+    # own trainer targets.
+    lora_target_modules = ["to_q", "to_k", "to_v", "to_out.0"]
+    # The transformer's FSDP2 units. LTX2VideoTransformer3DModel names no _no_split_modules, which accelerate's
+    # auto-wrap reads when the config names no classes (configs/fsdp2.yaml): the adapter sets it.
+    no_split_modules = ["LTX2VideoTransformerBlock"]
+
+    def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
+                 max_sequence_length: int = 1024, load_text_encoders: bool = True, text_only: bool = False,
+                 num_frames: int = 33):
+        self._load(model_path, device, dtype, load_text_encoders, text_only, max_sequence_length)
+        if self.pipe.connectors is not None:  # frozen like the text encoder, parked on the CPU between uses
+            self.pipe.connectors.requires_grad_(False).to(self.offload_device)
+            self.text_encoders.append(self.pipe.connectors)
+        if text_only:
+            return
+        pipe = self.pipe
+        self.transformer._no_split_modules = self.no_split_modules
+        for module in (pipe.audio_vae, pipe.vocoder):
+            module.to(self.device).requires_grad_(False)
+        self.spatial_factor = pipe.vae_spatial_compression_ratio
+        self.temporal_factor = pipe.vae_temporal_compression_ratio
+        self._check_resolution(resolution, self.spatial_factor * self.config.patch_size)
+        if num_frames < 1 or (num_frames - 1) % self.temporal_factor:
+            examples = f"{4 * self.temporal_factor + 1} or {15 * self.temporal_factor + 1}"
+            raise UserError(f"num_frames {num_frames} is not {self.temporal_factor}k + 1 (e.g. {examples}), as the "
+                            f"LTX-2 VAE requires")
+        self.height = self.width = resolution
+        self.num_frames = num_frames
+        # The video's latent grid and the audio's latent length, as LTX2Pipeline.__call__ derives them.
+        self.latent_frames = (num_frames - 1) // self.temporal_factor + 1
+        self.latent_h = self.latent_w = resolution // self.spatial_factor
+        audio_vae = pipe.audio_vae
+        # latent frames per second, then the clip's, in the pipeline's order of operations
+        compression = float(audio_vae.temporal_compression_ratio)
+        per_second = audio_vae.config.sample_rate / audio_vae.config.mel_hop_length / compression
+        self.audio_frames = round(num_frames / self.frame_rate * per_second)
+        self.latent_mel_bins = audio_vae.config.mel_bins // audio_vae.mel_compression_ratio
+        self.video_shape = (self.config.in_channels, self.latent_frames, self.latent_h, self.latent_w)
+        self.audio_shape = (audio_vae.config.latent_channels, self.audio_frames, self.latent_mel_bins)
+        patch, patch_t = self.config.patch_size, self.config.patch_size_t
+        self.video_tokens = (self.latent_frames // patch_t, self.latent_h // patch, self.latent_w // patch)
+        self.video_numel = int(np.prod(self.video_shape))
+        self.sample_rate = int(pipe.vocoder.config.output_sampling_rate)
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """Gemma 3's hidden states (all layers, left-padded to max_sequence_length) through the text connectors,
+        as `LTX2Pipeline.__call__` does: the video and the audio stream's text tokens and their 0/1 mask. Only these
+        reach the transformer, so the cache holds them (not the stacked hidden states, 49 × wider)."""
+        self._require_text_encoders()
+        pipe = self.pipe
+        embeds, mask, _, _ = pipe.encode_prompt(prompt=prompts, do_classifier_free_guidance=False,
+                                                max_sequence_length=self.max_sequence_length, device=self.device)
+        video_embeds, audio_embeds, mask = pipe.connectors(embeds, mask, padding_side=pipe.tokenizer.padding_side)
+        return {"prompt_embeds": video_embeds, "audio_prompt_embeds": audio_embeds, "prompt_attention_mask": mask}
+
+    # --- the joint latent --------------------------------------------------------------------------------------------
+    def join(self, video: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+        """Packed video tokens (B, S_v, C_v) and audio tokens (B, S_a, C_a) -> the joint latent (B, N)."""
+        return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
+
+    def split(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The joint latent (B, N) -> packed video tokens (B, S_v, C_v), packed audio tokens (B, S_a, C_a)."""
+        batch, video_tokens = latents.shape[0], int(np.prod(self.video_tokens))
+        video = latents[:, :self.video_numel].reshape(batch, video_tokens, -1)
+        return video, latents[:, self.video_numel:].reshape(batch, self.audio_frames, -1)
+
+    def noise(self, generators: list[torch.Generator]) -> torch.Tensor:
+        """Initial joint latent, float32: each sample's generator draws its video noise (batch, C, F', H', W'), then
+        its audio noise (batch, C_a, audio frames, mel bins), in the order `LTX2Pipeline` draws them, packed as it
+        packs them."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        batch, pipe = len(generators), self.pipe
+        video = randn_tensor((batch, *self.video_shape), generator=generators, device=self.device, dtype=torch.float32)
+        audio = randn_tensor((batch, *self.audio_shape), generator=generators, device=self.device, dtype=torch.float32)
+        video = pipe._pack_latents(video, self.config.patch_size, self.config.patch_size_t)
+        return self.join(video, pipe._pack_audio_latents(audio))
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """σ_0 = 1 … σ_N = 0 as `LTX2Pipeline` sets them: linspace(1, 1/N) shifted by μ fitted to the video token
+        count (the scheduler's terminal stretch included); the audio steps on the same σ."""
+        from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, retrieve_timesteps
+
+        cfg = self.scheduler.config
+        mu = calculate_shift(int(np.prod(self.video_tokens)), cfg.get("base_image_seq_len", 1024),
+                             cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.95),
+                             cfg.get("max_shift", 2.05))
+        retrieve_timesteps(self.scheduler, num_steps, "cpu", sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+        return self.scheduler.sigmas.float().to(self.device)
+
+    def velocity(self, latents: torch.Tensor, sigma, cond: dict[str, torch.Tensor],
+                 guidance_scale=(3.0, 7.0), transformer=None) -> torch.Tensor:
+        """v_θ(x_σ, σ, c) of the joint latent in float32. With a (video, audio) scale > 1 (CFG on for both streams
+        when either is, as in the pipeline) negative and positive prompts run as one batch of 2B, and each stream
+        combines as v_neg + w·(v_pos − v_neg) with its own w."""
+        scales = guidance_scale if isinstance(guidance_scale, (tuple, list)) else (guidance_scale, guidance_scale)
+        video_scale, audio_scale = (float(s) for s in scales)
+        batch = latents.shape[0]
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(batch)
+        video, audio = self.split(latents)
+        embeds, audio_embeds, mask = cond["prompt_embeds"], cond["audio_prompt_embeds"], cond["prompt_attention_mask"]
+        timestep = sigma * self.scheduler.config.num_train_timesteps  # the scheduler's timesteps, σ·1000
+        cfg = self._with_negatives(cond, max(video_scale, audio_scale))
+        if cfg:
+            embeds = torch.cat([cond["negative_prompt_embeds"], embeds])
+            audio_embeds = torch.cat([cond["negative_audio_prompt_embeds"], audio_embeds])
+            mask = torch.cat([cond["negative_prompt_attention_mask"], mask])
+            video, audio = torch.cat([video, video]), torch.cat([audio, audio])
+            timestep = torch.cat([timestep, timestep])
+        model = self.transformer if transformer is None else transformer
+        frames, height, width = self.video_tokens
+        with self._autocast():
+            out_video, out_audio = model(
+                hidden_states=video.to(self.dtype), audio_hidden_states=audio.to(self.dtype),
+                encoder_hidden_states=embeds.to(self.dtype), audio_encoder_hidden_states=audio_embeds.to(self.dtype),
+                timestep=timestep, sigma=timestep, encoder_attention_mask=mask, audio_encoder_attention_mask=mask,
+                num_frames=frames, height=height, width=width, fps=self.frame_rate, audio_num_frames=self.audio_frames,
+                use_cross_timestep=True, return_dict=False)
+        out_video, out_audio = out_video.float(), out_audio.float()
+        if cfg:
+            uncond, text = out_video.chunk(2)
+            out_video = uncond + video_scale * (text - uncond)
+            uncond, text = out_audio.chunk(2)
+            out_audio = uncond + audio_scale * (text - uncond)
+        return self.join(out_video, out_audio)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> AudioVideo:
+        """Joint latents -> frames (batch, F, 3, H, W) in [0, 1] and waveforms (batch, channels, samples), float32,
+        as `LTX2Pipeline` decodes them (video VAE at decode timestep 0 with no decode noise; audio VAE to a mel
+        spectrogram, then the vocoder)."""
+        pipe, vae = self.pipe, self.vae
+        video, audio = self.split(latents.float())
+        patch, patch_t = self.config.patch_size, self.config.patch_size_t
+        video = pipe._unpack_latents(video, *self.video_tokens, patch, patch_t)
+        video = pipe._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+        timestep = (torch.zeros(len(video), device=video.device, dtype=vae.dtype)
+                    if vae.config.timestep_conditioning else None)
+        frames = vae.decode(video.to(vae.dtype), timestep, return_dict=False)[0]  # (batch, 3, F, H, W) in [-1, 1]
+        frames = (frames.float().permute(0, 2, 1, 3, 4) / 2 + 0.5).clamp(0, 1)
+        audio_vae = pipe.audio_vae
+        audio = pipe._denormalize_audio_latents(audio, audio_vae.latents_mean, audio_vae.latents_std)
+        audio = pipe._unpack_audio_latents(audio, self.audio_frames, num_mel_bins=self.latent_mel_bins)
+        mel = audio_vae.decode(audio.to(audio_vae.dtype), return_dict=False)[0]
+        return AudioVideo(frames, pipe.vocoder(mel.to(pipe.vocoder.dtype)).float(), self.sample_rate)

@@ -1,0 +1,112 @@
+"""Sequence parallelism (common/parallel.py, --sequence-parallel N; docs/distributed.md): two CPU processes (gloo) in
+one sequence-parallel group split every transformer call between them and must compute what one process computes
+unsplit: the transformer's output, the SDE log-probs, the LoRA gradients after DDP's mean, and a whole grpo.py run."""
+
+import json
+
+import pytest
+import torch
+from conftest import (
+    ACCELERATE_2CPU,
+    SLOW,
+    read_metrics,
+    run_script,
+    script_error,
+    slow_except,
+)
+
+SKIP = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflops", "mfu", "peak_memory_gb",
+        "num_processes"}  # measured, or the launch's size
+
+
+@pytest.mark.parametrize("model", slow_except(["wan", "flux1"], "flux1"))
+def test_split_step_equals_the_unsplit_one(tmp_path, model):
+    """Wan splits its video tokens only (cross-attention keys, the text, stay whole); FLUX.1 splits the joint
+    sequence of text and image tokens, so both of diffusers' plan shapes are covered."""
+    from common.tiny import tiny_model_path
+
+    tiny_model_path(model)  # built here once, not by both processes at the same time
+    out = tmp_path / "report.json"
+    run_script("tests/sp_step.py", model, out, launcher=ACCELERATE_2CPU)
+    reports = json.loads(out.read_text())
+    assert [r["rank"] for r in reports] == [0, 1]
+    for report in reports:
+        for key in ("velocity", "log_prob"):
+            difference, scale = report[key]
+            assert difference <= 1e-6 * scale, (key, report[key])
+        assert report["grad_count"] > 0
+        for name, (difference, scale) in report["grads"].items():
+            assert scale > 0 and difference <= 1e-5 * scale, (name, difference, scale)
+    # tflops: the processes' counts add up to the unsplit model's work, plus what each repeats outside the split
+    # (time embedding and modulations; Wan's patch and text embeddings: the tiny models' share is large, 5% for
+    # FLUX.1 and 18% for Wan)
+    unsplit, split = reports[0]["flops"]["unsplit"], sum(r["flops"]["split"] for r in reports)
+    assert unsplit <= split <= 1.25 * unsplit
+
+
+@SLOW
+def test_grpo_run_equals_the_one_process_run(tmp_path):
+    """Two processes of one group (one data-parallel rank) draw, score and train what one process does. lr 3e-3, not
+    the preset's 3e-2: Adam's first steps have a size set by lr alone, and at 3e-2 the float32 rounding of the split
+    sums (~1e-7) turns into a few changed bytes of the JPEG reward by epoch 1; here every key agrees to 1e-3."""
+    args = ["--preset", "tiny", "--epochs", "2", "--eval-every", "1", "--eval-num-prompts", "2", "--learning-rate",
+            "3e-3"]
+    run_script("algos/grpo.py", *args, "--output-dir", tmp_path / "one")
+    run_script("algos/grpo.py", *args, "--sequence-parallel", "2", "--gradient-checkpointing", "--output-dir",
+               tmp_path / "split", launcher=ACCELERATE_2CPU)  # checkpointing recomputes the split blocks: the same
+    one, split = read_metrics(tmp_path / "one", base=True), read_metrics(tmp_path / "split", base=True)
+    assert [m["epoch"] for m in split] == [-1, 0, 1] and all(m.get("num_processes", 2) == 2 for m in split)
+    for a, b in zip(one, split):
+        assert set(a) == set(b)
+        for key in set(a) - SKIP:
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-9), (a["epoch"], key)
+    assert one[1]["reward_mean"] == split[1]["reward_mean"]  # before any update: the same rollouts, bit for bit
+
+
+def test_refusals_before_anything_is_written(tmp_path):
+    base = ["--preset", "tiny", "--epochs", "1", "--output-dir", tmp_path / "out"]
+    assert "--sequence-parallel 2 does not divide the 1 processes" in script_error(
+        "algos/grpo.py", *base, "--sequence-parallel", "2")
+    message = script_error("algos/grpo.py", *base, "--model", "sd3", "--sequence-parallel", "2")
+    assert "sd3's transformer has no sequence-parallel plan in diffusers; models with one: flux1, qwen-image, wan" \
+        in message
+    assert "--sequence-parallel must be at least 1, got 0" in script_error("algos/grpo.py", *base,
+                                                                          "--sequence-parallel", "0")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_head_count_the_degree_does_not_divide_is_refused():
+    from diffusers import WanTransformer3DModel
+
+    from common.parallel import enable_sequence_parallel
+    from common.tiny import tiny_model_path
+    from common.utils import UserError
+
+    transformer = WanTransformer3DModel.from_pretrained(tiny_model_path("wan") / "transformer")
+    with pytest.raises(UserError, match="--sequence-parallel 3 does not divide the 2 attention heads of "
+                                        "WanTransformer3DModel"):
+        enable_sequence_parallel(transformer, None, 3, torch.device("cpu"))
+
+
+def test_a_sequence_length_the_degree_does_not_divide_is_refused():
+    """FLUX.1's plan splits the text tokens too: 31 of them do not split in two. The check runs before diffusers'
+    split (which would stop on an assert), on every process alike, at the first transformer call: before the first
+    metrics line. No collective is reached, so one process shows it."""
+    from diffusers import FluxTransformer2DModel
+
+    from common.parallel import _add_split_checks
+    from common.tiny import tiny_model_path
+    from common.utils import UserError
+
+    transformer = FluxTransformer2DModel.from_pretrained(tiny_model_path("flux1") / "transformer")
+    _add_split_checks(transformer, transformer._cp_plan, 2)
+    config = transformer.config
+    inputs = {"hidden_states": torch.zeros(1, 16, config.in_channels), "timestep": torch.ones(1),
+              "guidance": torch.ones(1), "pooled_projections": torch.zeros(1, config.pooled_projection_dim),
+              "img_ids": torch.zeros(16, 3), "return_dict": False}
+    transformer(encoder_hidden_states=torch.zeros(1, 32, config.joint_attention_dim), txt_ids=torch.zeros(32, 3),
+                **inputs)  # 16 image and 32 text tokens split
+    with pytest.raises(UserError, match="--sequence-parallel 2 does not divide the sequence length 31 of "
+                                        "FluxTransformer2DModel's encoder_hidden_states"):
+        transformer(encoder_hidden_states=torch.zeros(1, 31, config.joint_attention_dim), txt_ids=torch.zeros(31, 3),
+                    **inputs)
