@@ -8,7 +8,7 @@ time shift (video: Wan2.1 3–5, Wan2.2 A14B 12) keeps σ near 1 and dt small on
 Part 1 (schedule only, no model): per trained step (every step but the last) σ, −dt, k of each dynamics and k
 relative to the schedule's largest, for each setting; then a summary against FLUX.1's. The schedules come from the
 adapters' own `sigmas` on the published scheduler configs (FLUX.1-dev's dynamic shift at 512², SD3.5's static 3,
-Wan's UniPC flow schedule at flow_shift 3, 5, 12).
+Wan's UniPC flow schedule at flow_shift 3, 5, 12; HunyuanVideo-1.5's shift 5; LTX-2's token-fitted shift).
 
 Part 2 (autograd): the tiny Wan2.1 (random weights, real classes; common/tiny.py) with a fresh LoRA, rolled out with
 flow-sde on two real Wan schedules; per step the autograd norm of ∂ log p / ∂v (× elements / ‖z‖: must equal k) and
@@ -68,6 +68,29 @@ def wan_sigmas(num_steps: int, flow_shift: float) -> torch.Tensor:
     return WanAdapter.sigmas(SimpleNamespace(scheduler=wan_scheduler(flow_shift), device="cpu"), num_steps)
 
 
+def hunyuan_video15_sigmas(num_steps: int) -> torch.Tensor:
+    """HunyuanVideo-1.5's schedule (flow shift 5, its 480p checkpoints' scheduler config), as its adapter builds it."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from common.models.hunyuan_video15 import HunyuanVideo15Adapter
+
+    return HunyuanVideo15Adapter.sigmas(SimpleNamespace(scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+                                                        device="cpu"), num_steps)
+
+
+def ltx2_sigmas(num_steps: int, video_tokens: tuple[int, int, int]) -> torch.Tensor:
+    """LTX-2's schedule: μ fitted to the video token count (base 0.95 at 1024 tokens, max 2.05 at 4096), terminal σ
+    stretched to 0.1, as its adapter builds it."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from common.models.ltx2 import LTX2Adapter
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
+                                                base_image_seq_len=1024, max_image_seq_len=4096, shift_terminal=0.1)
+    return LTX2Adapter.sigmas(SimpleNamespace(scheduler=scheduler, video_tokens=video_tokens, device="cpu"),
+                              num_steps)
+
+
 # (name, schedule). Step counts are the presets' (grpo.py) or, where no preset exists, the reference trainer's.
 SETTINGS = [
     ("FLUX.1-dev 512², 6 steps (flux1-flowgrpo)", lambda: flux_sigmas(6)),
@@ -78,6 +101,9 @@ SETTINGS = [
     ("Wan2.2 TI2V-5B, shift 5, 10 steps (wan2.2-5b-flowfactory)", lambda: wan_sigmas(10, 5.0)),
     ("Wan2.2 T2V-A14B, shift 12, 10 steps (wan2.2-flowfactory)", lambda: wan_sigmas(10, 12.0)),
     ("Wan2.2 T2V-A14B, shift 12, 40 steps (its sampling default)", lambda: wan_sigmas(40, 12.0)),
+    ("HunyuanVideo-1.5 480p, shift 5, 10 steps (hunyuan-video-1.5-flowfactory)", lambda: hunyuan_video15_sigmas(10)),
+    # 512², 121 frames: 16 latent frames of 16×16 (the VAE's 8× time and 32× space), 4096 tokens: μ at its maximum
+    ("LTX-2 512², 121 frames, 24 steps (ltx2-flowfactory)", lambda: ltx2_sigmas(24, (16, 16, 16))),
 ]
 
 
