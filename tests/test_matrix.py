@@ -38,9 +38,13 @@ MODELS = {
     "wan2.2-i2v": ["--resolution", "32", "--num-frames", "5"],  # 4 steps at shift 5: 2 per expert
     "hunyuan-video-1.5": ["--resolution", "32", "--num-frames", "5"],
     "hunyuan-video-1.5-i2v": ["--resolution", "32", "--num-frames", "5"],
+    # the same, from a condition image: its first latent frame, which the policy never steps
+    "ltx2-i2v": ["--resolution", "32", "--num-frames", "9", "--reward", "audio_loudness,target=0.1", "--reward",
+                 "jpeg_compressibility"],
 }
-AUDIO = {"ltx2"}  # their runs log the audio reward and write each evaluation sample's sound beside the grid
-CONDITIONED = {"flux1-kontext", "qwen-image-edit", "wan-i2v", "qwen-image-2.1", "wan2.2-i2v", "hunyuan-video-1.5-i2v"}
+AUDIO = {"ltx2", "ltx2-i2v"}  # their runs log the audio reward and write each evaluation sample's sound beside the grid
+CONDITIONED = {"flux1-kontext", "qwen-image-edit", "wan-i2v", "qwen-image-2.1", "wan2.2-i2v", "hunyuan-video-1.5-i2v",
+               "ltx2-i2v"}
 # Text-to-image and -video models whose trained LoRA is also loaded into the stock pipeline (first test prompt).
 STOCK_LORA = {"flux2", "flux2-klein", "z-image", "wan2.2-5b", "hunyuan-video-1.5"}  # wan2.2's two files: test_wan22.py
 SMALL = ["--preset", "tiny", "--epochs", "1", "--prompts-per-epoch", "1", "--group-size", "4", "--batch-size", "4",
@@ -65,9 +69,9 @@ FAMILIES = ("grpo", "nft", "dpo")
 
 # Every script saves its LoRA through the same `save` (common/setup.py): one script per model, in turn, checks it in
 # the stock pipeline (each script covers one or two models).
-STOCK_CHECK = {model: SCRIPTS[i % len(SCRIPTS)] for i, model in enumerate(sorted(CONDITIONED | STOCK_LORA))}
-# ltx2's fast-tier script checks its LoRA (added after the others, so that their turns stay)
-STOCK_CHECK["ltx2"] = {m: s for s, m in DIAGONAL}["ltx2"]
+LATER = ("ltx2", "ltx2-i2v")  # added after the others, so that their turns stay: their fast-tier script checks
+STOCK_CHECK = {model: SCRIPTS[i % len(SCRIPTS)] for i, model in enumerate(sorted((CONDITIONED | STOCK_LORA) - {*LATER}))}
+STOCK_CHECK.update({model: {m: s for s, m in DIAGONAL}[model] for model in LATER})
 
 
 def matrix_cases():
@@ -107,15 +111,17 @@ def test_one_epoch(script, model, tmp_path, request):
 def assert_lora_changes_the_stock_pipeline(model, lora, dataset):
     """The stock pipeline (diffusers' own, from the tiny folder) loads the trained LoRA and, for the first test
     prompt's condition image and a fixed noise seed, generates other latents than without it."""
+    import diffusers
     import torch
-    from diffusers import DiffusionPipeline
     from PIL import Image
 
     from common.data import load_prompts
+    from common.models import ADAPTERS
     from common.tiny import tiny_model_path
 
     record = load_prompts(dataset, "test")[0]
-    pipe = DiffusionPipeline.from_pretrained(str(tiny_model_path(model)))
+    # the adapter's pipeline: LTX-2's one checkpoint names LTX2Pipeline, whichever mode loads it
+    pipe = getattr(diffusers, ADAPTERS[model].pipeline_class_name).from_pretrained(str(tiny_model_path(model)))
     pipe.set_progress_bar_config(disable=True)
     call = dict(prompt=record.prompt, num_inference_steps=4, output_type="latent", **PIPELINE_ARGS[model])
     if "height" in inspect.signature(pipe.__call__).parameters:  # HunyuanVideo-1.5 I2V sizes from its image
@@ -146,7 +152,9 @@ PIPELINE_ARGS = {"flux1-kontext": dict(max_area=32 * 32, _auto_resize=False, max
                  "wan2.2-5b": dict(num_frames=5, max_sequence_length=16),
                  # LTX2Pipeline with CFG only: its spatio-temporal guidance needs blocks the tiny model has not
                  "ltx2": dict(num_frames=9, max_sequence_length=16, stg_scale=0.0, audio_stg_scale=0.0,
-                              spatio_temporal_guidance_blocks=None)}
+                              spatio_temporal_guidance_blocks=None),
+                 "ltx2-i2v": dict(num_frames=9, max_sequence_length=16, stg_scale=0.0, audio_stg_scale=0.0,
+                                  spatio_temporal_guidance_blocks=None, image_crf=0)}  # the adapter's encoding
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
