@@ -66,8 +66,8 @@ class TrainArgs:
 
     # Model
     model: ModelName = "flux1"
-    """model family (flux1-kontext, qwen-image-edit: image editing; wan-i2v, wan2.2-i2v: image-to-video; their
-    datasets give each prompt a condition image)"""
+    """model family (flux1-kontext, qwen-image-edit: image editing; wan-i2v, wan2.2-i2v, hunyuan-video-1.5-i2v,
+    ltx2-i2v: image-to-video; their datasets give each prompt a condition image)"""
     model_path: str | None = None
     """hub id or local folder of the pipeline; `tiny` builds an offline tiny model, `toy` is the toy world's
     pretrained FLUX.1 (unset: the model's published checkpoint)"""
