@@ -18,7 +18,7 @@ from common.models import load_adapter
 from common.sampling import sample_generators
 from common.training import add_lora
 from common.utils import UserError
-from conftest import ode_sample, sde_trajectory
+from conftest import ode_sample, script_error, sde_trajectory
 
 RESOLUTION, FRAMES = 32, 9  # 5 latent frames of 8×8 tokens (the first: the condition's), 9 audio latent frames
 GUIDANCE = (3.0, 7.0)  # the pipeline's (video, audio) CFG defaults
@@ -172,6 +172,10 @@ def test_cache_holds_the_condition_latents_bitwise(adapter, path, records, tmp_p
 
 
 def test_bad_input_is_refused_with_one_line(path, tmp_path):
+    message = script_error("algos/grpo.py", "--preset", "tiny", "--model", "ltx2-i2v", "--model-path", "tiny",
+                           "--sequence-parallel", "2", "--output-dir", tmp_path / "run")
+    assert message.startswith("error: --sequence-parallel: ltx2-i2v gives the video tokens one timestep each")
+    assert not (tmp_path / "run").exists()
     with pytest.raises(UserError, match="--condition-size 64 differs from --resolution 32: for LTX-2 I2V the "
                                         "condition image is the video's first frame, at the output size"):
         adapter_of(path, condition_size=64)

@@ -70,6 +70,8 @@ class _Adapter:
     video = False  # decodes (batch, frames, 3, H, W) and takes num_frames
     audio = False  # decodes an AudioVideo (frames and waveforms) from one joint latent
     condition_components: tuple[str, ...] = ()
+    # Why --sequence-parallel cannot split this model although its transformer has a plan (None: it can).
+    sequence_parallel_refusal: str | None = None
     model_components: tuple[str, ...] = ("transformer", "vae")  # what text_only (preprocess.py) leaves unloaded
 
     def _load(self, model_path: str, device, dtype: torch.dtype, load_text_encoders: bool, text_only: bool,

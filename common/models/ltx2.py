@@ -231,6 +231,9 @@ class LTX2ImageToVideoAdapter(LTX2Adapter):
     condition_images = (1, 1)
     condition_components = ("vae",)  # condition latents are cached: preprocess.py VAE-encodes them
     first_frame_given = True
+    # LTX-2's plan splits the video tokens but not a per-token timestep, which the clean first frame needs
+    sequence_parallel_refusal = ("gives the video tokens one timestep each (0 on the condition's), which LTX-2's "
+                                 "sequence-parallel plan in diffusers does not split; run without the flag")
 
     def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
                  max_sequence_length: int = 1024, load_text_encoders: bool = True, text_only: bool = False,
