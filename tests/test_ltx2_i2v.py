@@ -186,3 +186,15 @@ def test_bad_input_is_refused_with_one_line(path, tmp_path):
     with pytest.raises(UserError, match="names WanImageToVideoPipeline, not LTX2ImageToVideoPipeline or "
                                         "LTX2Pipeline"):
         adapter_of(tmp_path, text_only=True)
+
+
+def test_bf16_weights_keep_float32_outputs(path):
+    adapter = load_adapter("ltx2-i2v", str(path), "cpu", torch.bfloat16, RESOLUTION, max_sequence_length=16,
+                           num_frames=FRAMES)
+    cond = adapter.encode_prompts(["a cat"], [[scene((200, 30, 30), (48, 40), (4, 8, 20, 24))]])
+    assert cond["image_latents"].dtype == torch.float32  # as the pipeline keeps its latents
+    x = adapter.noise(sample_generators([0], "cpu"))
+    v = adapter.velocity(x, 0.5, cond, 1.0)
+    assert v.dtype == torch.float32 and v.shape == x.shape and torch.isfinite(v).all()
+    decoded = adapter.decode(x, cond)
+    assert decoded.video.dtype == torch.float32 and decoded.video.shape == (1, FRAMES, 3, RESOLUTION, RESOLUTION)
