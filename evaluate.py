@@ -320,7 +320,7 @@ def run_benchmark(benchmark: str, name: str, epoch: int, s: Namespace, adapter, 
             velocity = lambda x, sigma, cond=cond: adapter.velocity(x, sigma, cond, guidance)
             x0 = sample(velocity, adapter.noise(sample_generators([seed for _, seed in batch], accelerator.device)),
                         sigmas, "ode")
-            images = adapter.decode(x0).float().cpu()
+            images = adapter.decode(x0, cond).float().cpu()
             questions = [(row, atom) for row, (i, _) in enumerate(batch) for atom in records[i].atoms]
             answers = judge.ask(images[[row for row, _ in questions]], [atom for _, atom in questions])
             for row, (i, seed) in enumerate(batch):

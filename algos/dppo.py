@@ -189,7 +189,7 @@ if __name__ == "__main__":
                     x = x_next
                 for key in stored:
                     stored[key].append(torch.stack(steps[key], dim=1))  # (batch, trained steps, ...)
-                scoring.submit(adapter.decode(x).cpu())
+                scoring.submit(adapter.decode(x, c).cpu())
         stored = {key: torch.cat(values) for key, values in stored.items()}
         rollout_time = time.time() - epoch_start
 

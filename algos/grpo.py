@@ -168,6 +168,16 @@ PRESETS = {
                              updates_per_epoch=2, learning_rate=3e-4, weight_decay=1e-4, clip_range=1e-4, kl_beta=0.0,
                              global_std=True, lora_rank=64, lora_alpha=128, gradient_checkpointing=True,
                              eval_every=60, save_every=60),
+    # Flow-Factory's LTX-2 image-to-audio-video GRPO example (examples/grpo/lora/ltx2/i2av.yaml, "not fully tested"
+    # by its authors): as t2av above but 30 rollout steps, Flow-SDE η 0.7 on 1 step within steps 1–3, 16 prompts and
+    # lr 1e-4. Not carried over: the same as above, and its image dataset (give --dataset prompts with "image").
+    "ltx2-i2v-flowfactory": dict(model="ltx2-i2v", reward=["pickscore"], advantage_aggregation="gdpo", resolution=512,
+                                 num_frames=121, max_sequence_length=1024, num_steps=30, eval_num_steps=30,
+                                 guidance_scale=1.0, dynamics="flow-sde", noise_level=0.7, sde_window_size=1,
+                                 sde_window_range=(1, 4), group_size=16, prompts_per_epoch=16, batch_size=1,
+                                 updates_per_epoch=2, learning_rate=1e-4, weight_decay=1e-4, clip_range=1e-4,
+                                 kl_beta=0.0, global_std=True, lora_rank=64, lora_alpha=128,
+                                 gradient_checkpointing=True, eval_every=60, save_every=60),
     # Flow-Factory publishes no Wan2.2 I2V example: its Wan2.2 T2V GRPO example above, carried over unchanged but
     # for the CFG, the I2V A14B's own 3.5 for both experts (Wan2.2's wan/configs/wan_i2v_A14B.py: sample_guide_scale
     # (3.5, 3.5), with sample_shift 5 and boundary 0.9, which the checkpoint's configs carry; the model's default
@@ -257,7 +267,7 @@ if __name__ == "__main__":
                     x = x_next
                 for key in stored:
                     stored[key].append(torch.stack(steps[key], dim=1))  # (batch, trained steps, ...)
-                scoring.submit(adapter.decode(x).cpu())
+                scoring.submit(adapter.decode(x, c).cpu())
         stored = {key: torch.cat(values) for key, values in stored.items()}
         rollout_time = time.time() - epoch_start
 

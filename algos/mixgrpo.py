@@ -283,7 +283,7 @@ if __name__ == "__main__":
                                       sigmas, train_steps, args.dynamics, args.noise_level, flash_tail, store)
             for key in stored:
                 stored[key].append(steps[key])
-            scoring.submit(adapter.decode(x0).cpu())
+            scoring.submit(adapter.decode(x0, c).cpu())
         stored = {key: torch.cat(values) for key, values in stored.items()}
         rollout_time = time.time() - epoch_start
 

@@ -178,7 +178,7 @@ if __name__ == "__main__":
             x0 = sample(lambda x, sigma: old.velocity(x, sigma, c, guidance), adapter.noise(generators), sigmas,
                         args.dynamics, args.noise_level, generators)
             clean.append(x0)
-            scoring.submit(adapter.decode(x0).cpu())
+            scoring.submit(adapter.decode(x0, c).cpu())
         clean = torch.cat(clean)
         rollout_time = time.time() - epoch_start
 

@@ -299,7 +299,7 @@ if __name__ == "__main__":
                     x = sde_step(args.dynamics, v, x, sigmas[j], sigmas[j + 1], args.noise_level,
                                  generator=generators)[0]
                 stored.append(torch.stack(steps, dim=1))  # (batch, trained steps, ...)
-                scoring.submit(adapter.decode(x).cpu())
+                scoring.submit(adapter.decode(x, c).cpu())
         stored = torch.cat(stored)
         rollout_time = time.time() - epoch_start
 

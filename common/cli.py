@@ -22,7 +22,7 @@ from common.utils import UserError, avoid_cudnn_attention, install_user_error_ho
 # so that the scripts, preprocess.py and evaluate.py parse it without importing the adapters.
 ModelName = Literal["flux1", "sd3", "qwen-image", "wan", "flux1-kontext", "qwen-image-edit", "wan-i2v", "flux2",
                     "flux2-klein", "z-image", "wan2.2", "wan2.2-5b", "qwen-image-2.1", "ltx2", "wan2.2-i2v",
-                    "hunyuan-video-1.5", "hunyuan-video-1.5-i2v"]
+                    "hunyuan-video-1.5", "hunyuan-video-1.5-i2v", "ltx2-i2v"]
 # diffusers' attention backends (`diffusers.models.attention_dispatch.AttentionBackendName`; tests check they agree),
 # here so that a misspelt --attention-backend is refused, with the choices, before anything is loaded.
 AttentionBackend = Literal["native", "flash", "flash_varlen", "flash_hub", "flash_varlen_hub", "flash_4_hub",
@@ -32,9 +32,9 @@ AttentionBackend = Literal["native", "flash", "flash_varlen", "flash_hub", "flas
                            "_sage_qk_int8_pv_fp8_cuda", "_sage_qk_int8_pv_fp8_cuda_sm90",
                            "_sage_qk_int8_pv_fp16_cuda", "_sage_qk_int8_pv_fp16_triton", "xformers"]
 VIDEO_MODELS = ("wan", "wan-i2v", "wan2.2", "wan2.2-5b", "ltx2", "wan2.2-i2v", "hunyuan-video-1.5",
-                "hunyuan-video-1.5-i2v")
+                "hunyuan-video-1.5-i2v", "ltx2-i2v")
 CONDITIONED_MODELS = ("flux1-kontext", "qwen-image-edit", "wan-i2v", "qwen-image-2.1", "wan2.2-i2v",
-                      "hunyuan-video-1.5-i2v")  # qwen-image-2.1: also text-to-image
+                      "hunyuan-video-1.5-i2v", "ltx2-i2v")  # qwen-image-2.1: also text-to-image
 TWO_EXPERT_MODELS = ("wan2.2", "wan2.2-i2v")
 
 NON_FINITE_NOTE = ("A non-finite reward, loss or gradient norm stops the run with one line naming the epoch and the "
@@ -66,8 +66,8 @@ class TrainArgs:
 
     # Model
     model: ModelName = "flux1"
-    """model family (flux1-kontext, qwen-image-edit: image editing; wan-i2v, wan2.2-i2v: image-to-video; their
-    datasets give each prompt a condition image)"""
+    """model family (flux1-kontext, qwen-image-edit: image editing; wan-i2v, wan2.2-i2v, hunyuan-video-1.5-i2v,
+    ltx2-i2v: image-to-video; their datasets give each prompt a condition image)"""
     model_path: str | None = None
     """hub id or local folder of the pipeline; `tiny` builds an offline tiny model, `toy` is the toy world's
     pretrained FLUX.1 (unset: the model's published checkpoint)"""

@@ -38,7 +38,7 @@ def evaluate_prompts(adapter, accelerator, encode, rewards: list, prompts: list,
             seeds = [i + 1_000_003 * s for i, s in batch]  # prompt i's first seed is i, as in earlier versions
             velocity = lambda x, sigma, cond=cond: adapter.velocity(x, sigma, cond, guidance)  # noqa: E731
             x0 = sample(velocity, adapter.noise(sample_generators(seeds, accelerator.device)), sigmas, "ode")
-            decoded = adapter.decode(x0)
+            decoded = adapter.decode(x0, cond)
             images = decoded.video if isinstance(decoded, AudioVideo) else decoded
             texts = [prompts[i].prompt for i, _ in batch]
             conditions = [prompts[i].images for i, _ in batch]

@@ -169,6 +169,8 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
     if args.sequence_parallel > 1 and plan_owner(ADAPTERS[args.model].pipeline_class_name) is None:
         raise UserError(f"--sequence-parallel: {args.model}'s transformer has no sequence-parallel plan in diffusers; "
                         f"models with one: {', '.join(models_with_plans(ADAPTERS))}")
+    if args.sequence_parallel > 1 and ADAPTERS[args.model].sequence_parallel_refusal:
+        raise UserError(f"--sequence-parallel: {args.model} {ADAPTERS[args.model].sequence_parallel_refusal}")
     check_world(args.sequence_parallel, world)
     data = DataParallel(accelerator, args.sequence_parallel, device_mesh(accelerator, args.sequence_parallel))
     local = shard(args.prompts_per_epoch * args.group_size, data.process_index, data.num_processes)

@@ -862,7 +862,8 @@ TINY_BUILDERS = {"flux1": _build_flux1, "sd3": _build_sd3, "qwen-image": _build_
                  "hunyuan-video-1.5-i2v": _build_hunyuan_video15_i2v,
                  "z-image": _build_z_image,
                  "flux2": _build_flux2, "flux2-klein": _build_flux2_klein, "qwen-image-2.1": _build_qwen_image21,
-                 "ltx2": _build_ltx2}
+                 # one tiny LTX-2 for both modes, as Lightricks/LTX-2 is one checkpoint (model_index: LTX2Pipeline)
+                 "ltx2": _build_ltx2, "ltx2-i2v": _build_ltx2}
 
 
 def tiny_model_path(model: str) -> Path:

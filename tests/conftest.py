@@ -28,7 +28,10 @@ LONGEST_FIRST = ["test_toy_learning.py", "test_distributed.py", "test_matrix.py"
 
 # Two tiers. Without --full the tests marked slow are deselected: the fast tier keeps every file's core checks for a
 # first check in minutes; --full (what .ci/run passes) runs them all. In a parametrized test, `marks=SLOW` on a case.
+# Beyond them, --exhaustive also runs what is marked exhaustive: the script × model matrix's pairs that the full tier
+# covers by family (tests/test_matrix.py), about 20 minutes more.
 SLOW = pytest.mark.slow
+EXHAUSTIVE = pytest.mark.exhaustive
 
 
 def slow_except(values, *fast):
@@ -42,18 +45,23 @@ def pytest_addoption(parser):
     parser.addoption("--full", action="store_true",
                      help="the full tier: also the tests marked slow (learning, the whole matrix, distributed, "
                           "kill/resume); .ci/run passes it")
+    parser.addoption("--exhaustive", action="store_true",
+                     help="--full and every script × model pair of the matrix (tests marked exhaustive)")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: in the full tier only (run with --full)")
+    config.addinivalue_line("markers", "exhaustive: only with --exhaustive")
 
 
 def pytest_collection_modifyitems(config, items):
-    if not config.getoption("--full"):
-        slow = [item for item in items if item.get_closest_marker("slow")]
-        if slow:
-            config.hook.pytest_deselected(items=slow)
-            items[:] = [item for item in items if not item.get_closest_marker("slow")]
+    exhaustive = config.getoption("--exhaustive")
+    for marker, wanted in (("slow", config.getoption("--full") or exhaustive), ("exhaustive", exhaustive)):
+        if not wanted:
+            dropped = [item for item in items if item.get_closest_marker(marker)]
+            if dropped:
+                config.hook.pytest_deselected(items=dropped)
+                items[:] = [item for item in items if not item.get_closest_marker(marker)]
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 

@@ -11,7 +11,7 @@ import runpy
 import pytest
 
 from common.data import DEFAULT_DATASET
-from conftest import REPO, read_metrics, run_script, slow_except
+from conftest import EXHAUSTIVE, REPO, SLOW, read_metrics, run_script
 
 SCRIPTS = ["grpo", "grpo_guard", "mixgrpo", "nft", "awm", "dpo", "dgpo", "crd", "dppo", "vgrpo"]
 # The smallest settings each tiny model takes: one group of 4 in one micro-batch, 4 (MixGRPO: 6) steps.
@@ -38,9 +38,13 @@ MODELS = {
     "wan2.2-i2v": ["--resolution", "32", "--num-frames", "5"],  # 4 steps at shift 5: 2 per expert
     "hunyuan-video-1.5": ["--resolution", "32", "--num-frames", "5"],
     "hunyuan-video-1.5-i2v": ["--resolution", "32", "--num-frames", "5"],
+    # the same, from a condition image: its first latent frame, which the policy never steps
+    "ltx2-i2v": ["--resolution", "32", "--num-frames", "9", "--reward", "audio_loudness,target=0.1", "--reward",
+                 "jpeg_compressibility"],
 }
-AUDIO = {"ltx2"}  # their runs log the audio reward and write each evaluation sample's sound beside the grid
-CONDITIONED = {"flux1-kontext", "qwen-image-edit", "wan-i2v", "qwen-image-2.1", "wan2.2-i2v", "hunyuan-video-1.5-i2v"}
+AUDIO = {"ltx2", "ltx2-i2v"}  # their runs log the audio reward and write each evaluation sample's sound beside the grid
+CONDITIONED = {"flux1-kontext", "qwen-image-edit", "wan-i2v", "qwen-image-2.1", "wan2.2-i2v", "hunyuan-video-1.5-i2v",
+               "ltx2-i2v"}
 # Text-to-image and -video models whose trained LoRA is also loaded into the stock pipeline (first test prompt).
 STOCK_LORA = {"flux2", "flux2-klein", "z-image", "wan2.2-5b", "hunyuan-video-1.5"}  # wan2.2's two files: test_wan22.py
 SMALL = ["--preset", "tiny", "--epochs", "1", "--prompts-per-epoch", "1", "--group-size", "4", "--batch-size", "4",
@@ -56,11 +60,34 @@ STEPS = {"grpo": ["--num-steps", "4", "--updates-per-epoch", "1"],
 
 
 # The fast tier runs a diagonal (model i with script i mod 10: every model once, every script at least once); the
-# full tier every pair.
+# full tier every model with one script of each family (coupled grpo, forward-process nft, preference dpo) besides
+# its diagonal script and the one that checks its LoRA in the stock pipeline; --exhaustive every pair (the scripts of
+# a family share their rollout, storage and model calls: what differs between them is the loss).
 DIAGONAL = [(SCRIPTS[i % len(SCRIPTS)], model) for i, model in enumerate(MODELS)]
+FAMILIES = ("grpo", "nft", "dpo")
 
 
-@pytest.mark.parametrize("script, model", slow_except([(s, m) for s in SCRIPTS for m in MODELS], *DIAGONAL))
+# Every script saves its LoRA through the same `save` (common/setup.py): one script per model, in turn, checks it in
+# the stock pipeline (each script covers one or two models).
+LATER = ("ltx2", "ltx2-i2v")  # added after the others, so that their turns stay: their fast-tier script checks
+STOCK_CHECK = {model: SCRIPTS[i % len(SCRIPTS)] for i, model in enumerate(sorted((CONDITIONED | STOCK_LORA) - {*LATER}))}
+STOCK_CHECK.update({model: {m: s for s, m in DIAGONAL}[model] for model in LATER})
+
+
+def matrix_cases():
+    cases = []
+    for script in SCRIPTS:
+        for model in MODELS:
+            if (script, model) in DIAGONAL:
+                cases.append((script, model))
+            elif script in FAMILIES or STOCK_CHECK.get(model) == script:
+                cases.append(pytest.param(script, model, marks=SLOW))
+            else:
+                cases.append(pytest.param(script, model, marks=EXHAUSTIVE))
+    return cases
+
+
+@pytest.mark.parametrize("script, model", matrix_cases())
 def test_one_epoch(script, model, tmp_path, request):
     data = ["--dataset", request.getfixturevalue("edit_dataset")] if model in CONDITIONED else []
     run_script(f"algos/{script}.py", *SMALL, *STEPS[script], "--model", model, "--model-path", "tiny",
@@ -79,25 +106,22 @@ def test_one_epoch(script, model, tmp_path, request):
         assert_lora_changes_the_stock_pipeline(model, lora, data[1] if data else DEFAULT_DATASET)
 
 
-# Every script saves its LoRA through the same `save` (common/setup.py): one script per model, in turn, checks it in
-# the stock pipeline (each script covers one or two models).
-STOCK_CHECK = {model: SCRIPTS[i % len(SCRIPTS)] for i, model in enumerate(sorted(CONDITIONED | STOCK_LORA))}
-# ltx2's fast-tier script checks its LoRA (added after the others, so that their turns stay)
-STOCK_CHECK["ltx2"] = {m: s for s, m in DIAGONAL}["ltx2"]
 
 
 def assert_lora_changes_the_stock_pipeline(model, lora, dataset):
     """The stock pipeline (diffusers' own, from the tiny folder) loads the trained LoRA and, for the first test
     prompt's condition image and a fixed noise seed, generates other latents than without it."""
+    import diffusers
     import torch
-    from diffusers import DiffusionPipeline
     from PIL import Image
 
     from common.data import load_prompts
+    from common.models import ADAPTERS
     from common.tiny import tiny_model_path
 
     record = load_prompts(dataset, "test")[0]
-    pipe = DiffusionPipeline.from_pretrained(str(tiny_model_path(model)))
+    # the adapter's pipeline: LTX-2's one checkpoint names LTX2Pipeline, whichever mode loads it
+    pipe = getattr(diffusers, ADAPTERS[model].pipeline_class_name).from_pretrained(str(tiny_model_path(model)))
     pipe.set_progress_bar_config(disable=True)
     call = dict(prompt=record.prompt, num_inference_steps=4, output_type="latent", **PIPELINE_ARGS[model])
     if "height" in inspect.signature(pipe.__call__).parameters:  # HunyuanVideo-1.5 I2V sizes from its image
@@ -128,7 +152,9 @@ PIPELINE_ARGS = {"flux1-kontext": dict(max_area=32 * 32, _auto_resize=False, max
                  "wan2.2-5b": dict(num_frames=5, max_sequence_length=16),
                  # LTX2Pipeline with CFG only: its spatio-temporal guidance needs blocks the tiny model has not
                  "ltx2": dict(num_frames=9, max_sequence_length=16, stg_scale=0.0, audio_stg_scale=0.0,
-                              spatio_temporal_guidance_blocks=None)}
+                              spatio_temporal_guidance_blocks=None),
+                 "ltx2-i2v": dict(num_frames=9, max_sequence_length=16, stg_scale=0.0, audio_stg_scale=0.0,
+                                  spatio_temporal_guidance_blocks=None, image_crf=0)}  # the adapter's encoding
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

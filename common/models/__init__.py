@@ -1,7 +1,9 @@
 """Model adapters: one small class per model family over its diffusers pipeline components.
 
 An adapter encodes prompts, makes the initial noise, gives the σ schedule, runs ONE velocity forward and
-decodes latents to images. Rollout and training both call `velocity`, so they cannot drift apart.
+decodes latents to images (`decode(latents, cond)`: given the conditioning they were sampled with, which only
+LTX-2's image-to-video reads, its clean first frame being no part of the latents). Rollout and training both call
+`velocity`, so they cannot drift apart.
 Weights live in the model dtype (bf16 on GPUs); everything that leaves `velocity` is float32.
 """
 
@@ -12,7 +14,7 @@ from common.models.flux2 import Flux2Adapter, Flux2KleinAdapter
 from common.models.hunyuan_video15 import HunyuanVideo15Adapter, HunyuanVideo15ImageToVideoAdapter
 from common.models.kontext import FluxKontextAdapter
 from common.models.qwen_image21 import QwenImage21Adapter
-from common.models.ltx2 import LTX2Adapter
+from common.models.ltx2 import LTX2Adapter, LTX2ImageToVideoAdapter
 from common.models.qwen_image_edit import QwenImageEditAdapter
 from common.models.wan_i2v import WanImageToVideoAdapter
 from common.models.qwen_image import QwenImageAdapter
@@ -40,6 +42,7 @@ DEFAULT_MODEL_PATHS = {
     "z-image": "Tongyi-MAI/Z-Image-Turbo",  # the distilled one; Tongyi-MAI/Z-Image is its base
     "qwen-image-2.1": "Qwen/Qwen-Image-2.1",  # text-to-image and editing in one model
     "ltx2": "Lightricks/LTX-2",
+    "ltx2-i2v": "Lightricks/LTX-2",  # one checkpoint, loaded as LTX2ImageToVideoPipeline
 }
 MODELS = tuple(DEFAULT_MODEL_PATHS)
 
@@ -63,7 +66,8 @@ ADAPTERS = {"flux1": FluxAdapter, "sd3": SD3Adapter, "qwen-image": QwenImageAdap
             "wan2.2-i2v": Wan22ImageToVideoAdapter, "hunyuan-video-1.5": HunyuanVideo15Adapter,
             "hunyuan-video-1.5-i2v": HunyuanVideo15ImageToVideoAdapter,
             "flux2": Flux2Adapter, "flux2-klein": Flux2KleinAdapter,
-            "z-image": ZImageAdapter, "qwen-image-2.1": QwenImage21Adapter, "ltx2": LTX2Adapter}
+            "z-image": ZImageAdapter, "qwen-image-2.1": QwenImage21Adapter, "ltx2": LTX2Adapter,
+            "ltx2-i2v": LTX2ImageToVideoAdapter}
 
 
 def load_adapter(model: str, model_path: str | None, device, dtype: torch.dtype, resolution: int,

@@ -22,7 +22,7 @@ def component_class_name(model_path: str, component: str) -> str | None:
 class AudioVideo:
     """What an audio-video model's `decode` returns: `video` (batch, F, 3, H, W) in [0, 1] and `audio`, waveforms
     (batch, channels, samples) at `sample_rate` Hz, both float32. It goes where other models' decoded images go
-    (`scoring.submit(adapter.decode(x).cpu())`): rows index, concatenate and move together, and common/scoring.py
+    (`scoring.submit(adapter.decode(x, cond).cpu())`): rows index, concatenate and move together, and common/scoring.py
     gives the frames to every reward and the waveforms to those that want them."""
 
     def __init__(self, video: torch.Tensor, audio: torch.Tensor, sample_rate: int):
@@ -54,6 +54,9 @@ class _Adapter:
     autocast to the model dtype, and writing LoRA weights in the pipeline's own format."""
 
     pipeline_class_name: str
+    # Other pipelines whose checkpoints (model_index.json's _class_name) hold the same components: LTX-2's one
+    # checkpoint names LTX2Pipeline and loads as LTX2ImageToVideoPipeline too.
+    also_loads: tuple[str, ...] = ()
     display_name: str
     text_components: tuple[str, ...]  # skipped when training from the embedding cache
     true_cfg = False
@@ -67,6 +70,8 @@ class _Adapter:
     video = False  # decodes (batch, frames, 3, H, W) and takes num_frames
     audio = False  # decodes an AudioVideo (frames and waveforms) from one joint latent
     condition_components: tuple[str, ...] = ()
+    # Why --sequence-parallel cannot split this model although its transformer has a plan (None: it can).
+    sequence_parallel_refusal: str | None = None
     model_components: tuple[str, ...] = ("transformer", "vae")  # what text_only (preprocess.py) leaves unloaded
 
     def _load(self, model_path: str, device, dtype: torch.dtype, load_text_encoders: bool, text_only: bool,
@@ -87,8 +92,9 @@ class _Adapter:
             skip.update({name: None for name in self.model_components if name not in self.condition_components})
         try:
             found = diffusers.DiffusionPipeline.load_config(model_path).get("_class_name")
-            if found != self.pipeline_class_name:
-                raise ValueError(f"its model_index.json names {found}, not {self.pipeline_class_name}")
+            if found != self.pipeline_class_name and found not in self.also_loads:
+                raise ValueError(f"its model_index.json names {found}, not "
+                                 f"{' or '.join((self.pipeline_class_name, *self.also_loads))}")
             self.pipe = getattr(diffusers, self.pipeline_class_name).from_pretrained(model_path, dtype=dtype, **skip)
         except (OSError, ValueError) as err:
             raise UserError(f"cannot load a {self.display_name} pipeline from {model_path!r}: "

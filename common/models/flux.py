@@ -99,7 +99,7 @@ class FluxAdapter(_Adapter):
 
     # ----- images -------------------------------------------------------------------------------------
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, cond=None) -> torch.Tensor:
         """Packed latents -> images in [0, 1], float32, shape (batch, 3, H, W)."""
         latents = self.pipe._unpack_latents(latents, self.height, self.width, self.vae_scale_factor)
         latents = latents / self.vae.config.scaling_factor + (self.vae.config.shift_factor or 0.0)

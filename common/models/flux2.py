@@ -134,7 +134,7 @@ class Flux2Adapter(_Adapter):
 
     # ----- images -------------------------------------------------------------------------------------
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, cond=None) -> torch.Tensor:
         """Packed latents -> images in [0, 1], float32, (batch, 3, H, W): unpack by position ids, undo the batch
         norm, unpatchify 2x2, decode (the pipeline's steps)."""
         pipe, vae = self.pipe, self.vae

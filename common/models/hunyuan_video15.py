@@ -143,7 +143,7 @@ class HunyuanVideo15Adapter(_Adapter):
         return out
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, cond=None) -> torch.Tensor:
         """Latents -> videos in [0, 1], float32, (batch, frames, 3, H, W): the VAE of latents / scaling_factor, one
         sample at a time (the VAE's mid-block attention broadcasts its (batch, N, N) causal mask against (batch, 1, N,
         N) queries, which fails for a batch of more than one in diffusers 0.42)."""

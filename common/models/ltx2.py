@@ -39,6 +39,7 @@ class LTX2Adapter(_Adapter):
     video = True
     audio = True  # decodes an AudioVideo
     frame_rate = 24.0
+    first_frame_given = False  # image-to-video (LTX2ImageToVideoAdapter): the condition is the first latent frame
     # Every attention of both streams (self, text cross-attention, audio↔video cross-attention): the names LTX-2's
     # own trainer targets.
     lora_target_modules = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -81,7 +82,11 @@ class LTX2Adapter(_Adapter):
         self.audio_shape = (audio_vae.config.latent_channels, self.audio_frames, self.latent_mel_bins)
         patch, patch_t = self.config.patch_size, self.config.patch_size_t
         self.video_tokens = (self.latent_frames // patch_t, self.latent_h // patch, self.latent_w // patch)
-        self.video_numel = int(np.prod(self.video_shape))
+        # Image-to-video: the first latent frame's tokens (the first h·w, patch_size_t being 1) are the condition's,
+        # kept clean and never stepped: the state holds the other frames' tokens and the audio's.
+        self.condition_tokens = self.video_tokens[1] * self.video_tokens[2] if self.first_frame_given else 0
+        tokens = int(np.prod(self.video_tokens))
+        self.video_numel = int(np.prod(self.video_shape)) // tokens * (tokens - self.condition_tokens)
         self.sample_rate = int(pipe.vocoder.config.output_sampling_rate)
 
     @torch.no_grad()
@@ -98,26 +103,35 @@ class LTX2Adapter(_Adapter):
 
     # --- the joint latent --------------------------------------------------------------------------------------------
     def join(self, video: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
-        """Packed video tokens (B, S_v, C_v) and audio tokens (B, S_a, C_a) -> the joint latent (B, N)."""
+        """Packed generated video tokens (B, S_v, C_v) and audio tokens (B, S_a, C_a) -> the joint latent (B, N)."""
         return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
 
     def split(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The joint latent (B, N) -> packed video tokens (B, S_v, C_v), packed audio tokens (B, S_a, C_a)."""
-        batch, video_tokens = latents.shape[0], int(np.prod(self.video_tokens))
+        """The joint latent (B, N) -> packed generated video tokens (B, S_v, C_v), packed audio tokens (B, S_a, C_a)."""
+        batch, video_tokens = latents.shape[0], int(np.prod(self.video_tokens)) - self.condition_tokens
         video = latents[:, :self.video_numel].reshape(batch, video_tokens, -1)
         return video, latents[:, self.video_numel:].reshape(batch, self.audio_frames, -1)
+
+    def _whole_video(self, video: torch.Tensor, cond: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """The generated video tokens with the condition's clean first-frame tokens before them (image-to-video);
+        as they are for text-to-video."""
+        if not self.condition_tokens:
+            return video
+        if cond is None or "image_latents" not in cond:
+            raise ValueError(f"{self.display_name} needs the condition's first-frame latents (cond['image_latents'])")
+        return torch.cat([cond["image_latents"].to(video.device, video.dtype), video], dim=1)
 
     def noise(self, generators: list[torch.Generator]) -> torch.Tensor:
         """Initial joint latent, float32: each sample's generator draws its video noise (batch, C, F', H', W'), then
         its audio noise (batch, C_a, audio frames, mel bins), in the order `LTX2Pipeline` draws them, packed as it
-        packs them."""
+        packs them (image-to-video: the first frame's noise, which the condition replaces, is drawn and dropped)."""
         from diffusers.utils.torch_utils import randn_tensor
 
         batch, pipe = len(generators), self.pipe
         video = randn_tensor((batch, *self.video_shape), generator=generators, device=self.device, dtype=torch.float32)
         audio = randn_tensor((batch, *self.audio_shape), generator=generators, device=self.device, dtype=torch.float32)
         video = pipe._pack_latents(video, self.config.patch_size, self.config.patch_size_t)
-        return self.join(video, pipe._pack_audio_latents(audio))
+        return self.join(video[:, self.condition_tokens:], pipe._pack_audio_latents(audio))
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """σ_0 = 1 … σ_N = 0 as `LTX2Pipeline` sets them: linspace(1, 1/N) shifted by μ fitted to the video token
@@ -135,31 +149,38 @@ class LTX2Adapter(_Adapter):
                  guidance_scale=(3.0, 7.0), transformer=None) -> torch.Tensor:
         """v_θ(x_σ, σ, c) of the joint latent in float32. With a (video, audio) scale > 1 (CFG on for both streams
         when either is, as in the pipeline) negative and positive prompts run as one batch of 2B, and each stream
-        combines as v_neg + w·(v_pos − v_neg) with its own w."""
+        combines as v_neg + w·(v_pos − v_neg) with its own w. Image-to-video: the condition's first-frame tokens
+        go before the generated ones at timestep 0 (the pipeline's conditioning mask), and their velocity, which
+        nothing steps, is dropped."""
         scales = guidance_scale if isinstance(guidance_scale, (tuple, list)) else (guidance_scale, guidance_scale)
         video_scale, audio_scale = (float(s) for s in scales)
         batch = latents.shape[0]
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(batch)
         video, audio = self.split(latents)
+        video = self._whole_video(video, cond)
         embeds, audio_embeds, mask = cond["prompt_embeds"], cond["audio_prompt_embeds"], cond["prompt_attention_mask"]
         timestep = sigma * self.scheduler.config.num_train_timesteps  # the scheduler's timesteps, σ·1000
+        video_timestep = timestep
+        if self.condition_tokens:  # per video token, 0 on the clean condition tokens (the audio's is the clip's)
+            video_timestep = timestep[:, None].repeat(1, video.shape[1])
+            video_timestep[:, :self.condition_tokens] = 0
         cfg = self._with_negatives(cond, max(video_scale, audio_scale))
         if cfg:
             embeds = torch.cat([cond["negative_prompt_embeds"], embeds])
             audio_embeds = torch.cat([cond["negative_audio_prompt_embeds"], audio_embeds])
             mask = torch.cat([cond["negative_prompt_attention_mask"], mask])
             video, audio = torch.cat([video, video]), torch.cat([audio, audio])
-            timestep = torch.cat([timestep, timestep])
+            timestep, video_timestep = torch.cat([timestep, timestep]), torch.cat([video_timestep, video_timestep])
         model = self.transformer if transformer is None else transformer
         frames, height, width = self.video_tokens
         with self._autocast():
             out_video, out_audio = model(
                 hidden_states=video.to(self.dtype), audio_hidden_states=audio.to(self.dtype),
                 encoder_hidden_states=embeds.to(self.dtype), audio_encoder_hidden_states=audio_embeds.to(self.dtype),
-                timestep=timestep, sigma=timestep, encoder_attention_mask=mask, audio_encoder_attention_mask=mask,
-                num_frames=frames, height=height, width=width, fps=self.frame_rate, audio_num_frames=self.audio_frames,
-                use_cross_timestep=True, return_dict=False)
-        out_video, out_audio = out_video.float(), out_audio.float()
+                timestep=video_timestep, audio_timestep=timestep, sigma=timestep, encoder_attention_mask=mask,
+                audio_encoder_attention_mask=mask, num_frames=frames, height=height, width=width, fps=self.frame_rate,
+                audio_num_frames=self.audio_frames, use_cross_timestep=True, return_dict=False)
+        out_video, out_audio = out_video[:, self.condition_tokens:].float(), out_audio.float()
         if cfg:
             uncond, text = out_video.chunk(2)
             out_video = uncond + video_scale * (text - uncond)
@@ -168,12 +189,14 @@ class LTX2Adapter(_Adapter):
         return self.join(out_video, out_audio)
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> AudioVideo:
+    def decode(self, latents: torch.Tensor, cond: dict[str, torch.Tensor] | None = None) -> AudioVideo:
         """Joint latents -> frames (batch, F, 3, H, W) in [0, 1] and waveforms (batch, channels, samples), float32,
         as `LTX2Pipeline` decodes them (video VAE at decode timestep 0 with no decode noise; audio VAE to a mel
-        spectrogram, then the vocoder)."""
+        spectrogram, then the vocoder). Image-to-video decodes the condition's first frame with the generated ones
+        (the VAE is causal in time: every frame depends on it), so it needs `cond`."""
         pipe, vae = self.pipe, self.vae
         video, audio = self.split(latents.float())
+        video = self._whole_video(video, cond)
         patch, patch_t = self.config.patch_size, self.config.patch_size_t
         video = pipe._unpack_latents(video, *self.video_tokens, patch, patch_t)
         video = pipe._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
@@ -186,3 +209,67 @@ class LTX2Adapter(_Adapter):
         audio = pipe._unpack_audio_latents(audio, self.audio_frames, num_mel_bins=self.latent_mel_bins)
         mel = audio_vae.decode(audio.to(audio_vae.dtype), return_dict=False)[0]
         return AudioVideo(frames, pipe.vocoder(mel.to(pipe.vocoder.dtype)).float(), self.sample_rate)
+
+
+class LTX2ImageToVideoAdapter(LTX2Adapter):
+    """LTX-2 image-to-audio-video over `LTX2ImageToVideoPipeline` (the same components as `LTX2Pipeline`): the
+    condition image, VAE-encoded, is the video's first latent frame. The pipeline keeps those tokens clean (its
+    conditioning mask: per-token timestep 0) and steps only the other frames; here they are not in the state at all.
+    The joint latent holds the generated tokens (video frames ≥ 1, then the audio), `encode_prompts` adds the
+    condition's packed first-frame latents (`image_latents`, batch × h·w tokens × C, float32 as the pipeline keeps
+    them) to the text conditioning, and `velocity` and `decode` put them back in front: an SDE step never touches
+    them, and the log-prob covers the generated elements only.
+
+    The condition image is encoded as given, the pipeline with `image_crf=0`: by default the pipeline first
+    re-compresses it as one H.264 frame (CRF 33 for LTX-2's Gemma 3, through PyAV), the compression LTX-2 was
+    trained on; to reproduce that, give images so compressed. Video and audio timesteps, σ schedule (μ from all
+    video tokens, the condition's included) and guidance are `LTX2Adapter`'s."""
+
+    pipeline_class_name = "LTX2ImageToVideoPipeline"
+    also_loads = ("LTX2Pipeline",)  # Lightricks/LTX-2 names LTX2Pipeline; the pipelines share its components
+    display_name = "LTX-2 I2V"
+    condition_images = (1, 1)
+    condition_components = ("vae",)  # condition latents are cached: preprocess.py VAE-encodes them
+    first_frame_given = True
+    # LTX-2's plan splits the video tokens but not a per-token timestep, which the clean first frame needs
+    sequence_parallel_refusal = ("gives the video tokens one timestep each (0 on the condition's), which LTX-2's "
+                                 "sequence-parallel plan in diffusers does not split; run without the flag")
+
+    def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
+                 max_sequence_length: int = 1024, load_text_encoders: bool = True, text_only: bool = False,
+                 condition_size: int | None = None, num_frames: int = 33):
+        if condition_size is not None and condition_size != resolution:
+            raise UserError(f"--condition-size {condition_size} differs from --resolution {resolution}: for "
+                            f"{self.display_name} the condition image is the video's first frame, at the output size")
+        super().__init__(model_path, device, dtype, resolution, max_sequence_length, load_text_encoders, text_only,
+                         num_frames)
+        self.condition_size = condition_size
+        if text_only:  # preprocess.py encodes the conditions: the VAE and the output size are all they need
+            self._check_resolution(resolution, self.pipe.vae_spatial_compression_ratio)
+            self.height = self.width = resolution
+        elif self.config.patch_size_t != 1:
+            raise UserError(f"{model_path!r}: its transformer packs {self.config.patch_size_t} latent frames per "
+                            f"token; {self.display_name} needs the first frame in tokens of its own (patch_size_t 1)")
+
+    def condition_shape(self, width: int, height: int) -> tuple[int, int]:
+        """Every condition image becomes the output size, as `video_processor.preprocess(image, height, width)`."""
+        return self.height, self.width
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str], images: list[list]) -> dict[str, torch.Tensor]:
+        """The text conditioning of `LTX2Adapter` and each prompt's condition image as the pipeline's first latent
+        frame: resized to the output size, the VAE's mode (`argmax`), normalised by the latent statistics (without
+        the scaling factor, as `prepare_latents` does), packed; one row per prompt."""
+        if len(images) != len(prompts) or any(len(group) != 1 for group in images):
+            raise ValueError(f"{self.display_name} takes exactly one condition image per prompt")
+        from diffusers.pipelines.ltx2.pipeline_ltx2_image2video import retrieve_latents
+
+        cond, pipe, rows = super().encode_prompts(prompts), self.pipe, []
+        vae, patch = pipe.vae, pipe.transformer_spatial_patch_size
+        for (image,) in images:
+            pixels = pipe.video_processor.preprocess(image, height=self.height, width=self.width)
+            pixels = pixels.to(self.device, self.dtype)  # the pipeline casts the image to the prompt dtype
+            latents = retrieve_latents(vae.encode(pixels[:, :, None].to(vae.dtype)), None, "argmax").float()
+            latents = pipe._normalize_latents(latents, vae.latents_mean, vae.latents_std)
+            rows.append(pipe._pack_latents(latents, patch, 1))
+        return {**cond, "image_latents": torch.cat(rows)}

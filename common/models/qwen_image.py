@@ -108,7 +108,7 @@ class QwenImageAdapter(_Adapter):
         return out
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, cond=None) -> torch.Tensor:
         """Packed latents -> images in [0, 1], float32, shape (batch, 3, H, W) (the VAE's single frame)."""
         latents = self.pipe._unpack_latents(latents, self.height, self.width, self.vae_scale_factor).to(self.vae.dtype)
         shape = (1, self.vae.config.z_dim, 1, 1, 1)

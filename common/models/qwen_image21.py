@@ -178,7 +178,7 @@ class QwenImage21Adapter(QwenImageEditAdapter):
         return out
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, cond=None) -> torch.Tensor:
         """Latents -> RGB images in [0, 1], float32, (batch, 3, H, W): the VAE's RGBA output (the pipeline's
         "pt" images) composited over white, the background the pipeline gives its text encoder for RGBA inputs."""
         images = super().decode(latents)

@@ -90,7 +90,7 @@ class SD3Adapter(_Adapter):
         return out
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, cond=None) -> torch.Tensor:
         """Latents -> images in [0, 1], float32, shape (batch, 3, H, W)."""
         latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
         images = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]

@@ -121,7 +121,7 @@ class WanAdapter(_Adapter):
         return out
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, cond=None) -> torch.Tensor:
         """Latents -> videos in [0, 1], float32, shape (batch, frames, 3, H, W)."""
         latents = latents.to(self.vae.dtype)
         shape = (1, self.vae.config.z_dim, 1, 1, 1)

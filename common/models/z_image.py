@@ -139,7 +139,7 @@ class ZImageAdapter(_Adapter):
         return [row[keep.bool()] for row, keep in zip(embeds.to(self.dtype), mask)]
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, cond=None) -> torch.Tensor:
         """Latents -> images in [0, 1], float32, shape (batch, 3, H, W)."""
         latents = latents.to(self.vae.dtype) / self.vae.config.scaling_factor + self.vae.config.shift_factor
         images = self.vae.decode(latents, return_dict=False)[0]
