@@ -58,12 +58,32 @@ def clips_for_vae(prompts: list[str], rng: np.random.Generator) -> torch.Tensor:
 
 
 # ----- VAE ---------------------------------------------------------------------------------------------------
-def train_vae(vae, prompts: list[str], rng: np.random.Generator, full_steps: int, decoder_steps: int,
-              batch: int, lr: float) -> None:
-    """Reconstruction (MSE + L1 on [-1, 1] clips) plus a light KL, on fresh renders every step; the decoder phase
-    sees posterior samples of the frozen encoder, the latents the transformer will learn to generate."""
-    vae.train().requires_grad_(True)
+FOREGROUND_WEIGHT = 4.0  # extra loss weight on object pixels (a few per cent of a clip)
+
+
+def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
+    """`AutoencoderKLWan.decode` without its final clamp to [-1, 1]: the clamp passes no gradient to pixels pushed
+    below −1, so a decoder that once paints everything black (most pixels are) never learns the objects back (a
+    first recipe with the clamp ended with every reconstruction empty). Same causal per-latent-frame loop."""
+    vae.clear_cache()
+    x = vae.post_quant_conv(z)
+    frames = []
+    for i in range(z.shape[2]):
+        vae._conv_idx = [0]
+        frames.append(vae.decoder(x[:, :, i:i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
+                                  first_chunk=i == 0))
+    vae.clear_cache()
+    return torch.cat(frames, 2)
+
+
+def train_vae(vae, prompts: list[str], test_prompts: list[str], rng: np.random.Generator, full_steps: int,
+              decoder_steps: int, batch: int, lr: float) -> None:
+    """Reconstruction (MSE + L1 on [-1, 1] clips, object pixels weighted up) plus a light KL, on fresh renders
+    every step; the decoder phase sees posterior samples of the frozen encoder, the latents the transformer will
+    learn to generate."""
+    reward = ToyVideoReward()
     for phase, steps in (("vae", full_steps), ("decoder", decoder_steps)):
+        vae.train().requires_grad_(True)
         if phase == "decoder":
             vae.encoder.requires_grad_(False)
             vae.quant_conv.requires_grad_(False)
@@ -75,8 +95,9 @@ def train_vae(vae, prompts: list[str], rng: np.random.Generator, full_steps: int
             clips = clips_for_vae(list(rng.choice(prompts, batch)), rng)
             posterior = vae.encode(clips).latent_dist
             latents = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
-            recon = vae.decode(latents).sample
-            loss = F.mse_loss(recon, clips) + 0.1 * F.l1_loss(recon, clips)
+            error = decode_unclamped(vae, latents) - clips
+            weight = 1 + FOREGROUND_WEIGHT * (clips.amax(1, keepdim=True) > -0.9).float()
+            loss = (weight * error ** 2).mean() + 0.1 * (weight * error.abs()).mean()
             if phase == "vae":
                 loss = loss + 1e-5 * posterior.kl().mean()
             optimizer.zero_grad(set_to_none=True)
@@ -85,6 +106,11 @@ def train_vae(vae, prompts: list[str], rng: np.random.Generator, full_steps: int
             schedule.step()
             if step % 50 == 0 or step == steps - 1:
                 log(f"{phase} step {step}/{steps} loss {loss.item():.4f}")
+            if step % 200 == 199:
+                vae.eval()
+                log(f"{phase} step {step + 1} reconstructions, held-out x 2: "
+                    f"{format_checks(vae_report(vae, test_prompts * 2, rng, reward))}")
+                vae.train()
     vae.eval().requires_grad_(False)
 
 
@@ -194,10 +220,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=toy_model_path("wan"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vae-steps", type=int, default=600, help="steps training the whole VAE")
-    parser.add_argument("--decoder-steps", type=int, default=400, help="then steps training the decoder alone")
+    parser.add_argument("--vae-steps", type=int, default=2000, help="steps training the whole VAE")
+    parser.add_argument("--decoder-steps", type=int, default=500, help="then steps training the decoder alone")
     parser.add_argument("--vae-batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=4000, help="transformer pretraining steps")
+    parser.add_argument("--steps", type=int, default=3000, help="transformer pretraining steps")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=100)
@@ -216,7 +242,7 @@ def main() -> None:
 
     pipe = build_toy_video_pipeline(args.seed)
     log(f"VAE: {args.vae_steps} steps, then {args.decoder_steps} decoder steps")
-    train_vae(pipe.vae, train, rng, args.vae_steps, args.decoder_steps, args.vae_batch, args.lr)
+    train_vae(pipe.vae, train, test, rng, args.vae_steps, args.decoder_steps, args.vae_batch, args.lr)
     log(f"VAE reconstructions, held-out prompts x 8: {format_checks(vae_report(pipe.vae, test * 8, rng, reward))}")
     set_latent_scaling(pipe.vae, train * 4, rng)
     log(f"VAE done, cpu {(time.process_time() - start) / 60:.1f} min")
