@@ -87,6 +87,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from common.cli import cli_one_line
 from common.cluster import output_dir_holder
+from common.data import default_dataset
 from common.utils import UserError, install_user_error_hook
 
 REPO = Path(__file__).resolve().parent.parent
@@ -213,6 +214,8 @@ def plan_runs(args: Args) -> dict[str, Plan]:
             how = "--algo-preset" if algo in args.algo_preset else "--preset"
             raise UserError(f"unknown preset {name!r} of algos/{algo}.py ({how}); choose one of: {', '.join(presets)}")
         settings = vars(replace(module["Args"](), **{**presets[name], **task_overrides(args)}))
+        if settings["dataset"] is None:  # the scripts' default: the model's (common.data.default_dataset)
+            settings["dataset"] = default_dataset(settings["model"])
         plan = Plan(name, settings, settings["epochs"])
         if args.budget is not None:
             plan.epochs = args.budget // plan.samples_per_epoch

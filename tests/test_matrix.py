@@ -10,6 +10,7 @@ import runpy
 
 import pytest
 
+from common.checkpoint import LORA_FILE_2
 from common.data import DEFAULT_DATASET
 from conftest import EXHAUSTIVE, REPO, SLOW, read_metrics, run_script
 
@@ -132,6 +133,8 @@ def assert_lora_changes_the_stock_pipeline(model, lora, dataset):
     for lora_path in (None, lora):
         if lora_path is not None and hasattr(pipe, "load_lora_weights"):
             pipe.load_lora_weights(str(lora_path))
+            if (lora_path / LORA_FILE_2).exists():  # Wan2.2's low-noise expert (a script may train only it)
+                pipe.load_lora_weights(str(lora_path), weight_name=LORA_FILE_2, load_into_transformer_2=True)
         elif lora_path is not None:  # HunyuanVideo-1.5's pipelines have no LoRA mixin: into the transformer itself
             pipe.transformer.load_lora_adapter(str(lora_path), prefix="transformer",
                                                weight_name="pytorch_lora_weights.safetensors")
