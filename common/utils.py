@@ -4,6 +4,7 @@ import errno
 import os
 import shutil
 import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -66,6 +67,28 @@ def write_text_atomic(path: Path, text: str) -> None:
         with open(tmp, "x") as handle:
             handle.write(text)
         os.replace(tmp, path)
+
+
+@contextmanager
+def folder_replaced_atomically(out: Path):
+    """A temporary folder beside `out` for the block to write; when the block ends without an error it replaces
+    `out` by renames (the old folder moved aside first, then deleted), so `out` is never half-written. On an error
+    the temporary folder is deleted and `out` is untouched."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)  # mkdtemp's folder is private
+        old = None
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}-old-", dir=out.parent))
+            os.rename(out, old / out.name)
+        os.rename(tmp, out)
+        if old is not None:
+            shutil.rmtree(old)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _first_report(message: str) -> bool:

@@ -351,3 +351,26 @@ def test_a_server_that_hangs_on_score_says_so_early_and_is_not_called_unreachabl
     assert f"remote reward: waiting for {url} to answer /score (2 images) (gives up after 2 s)" in notice
     assert f"reward server {url} did not answer /score (2 images)" in str(info.value)
     assert "not reachable" not in str(info.value) and waited < 4.5
+
+
+def test_a_folder_replaced_atomically_is_old_or_new_never_half(tmp_path):
+    """The toy worlds' pretrain scripts write their model through `folder_replaced_atomically`: a failure inside
+    the block leaves the old folder as it was, with nothing beside it; a success swaps in the new one whole."""
+    from common.utils import folder_replaced_atomically
+
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "weights").write_text("old")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        with folder_replaced_atomically(out) as tmp:
+            (tmp / "weights").write_text("half")
+            raise RuntimeError("interrupted")
+    assert snapshot(out) == {Path("weights"): b"old"} and [p.name for p in tmp_path.iterdir()] == ["model"]
+    with folder_replaced_atomically(out) as tmp:
+        assert tmp.parent == out.parent and not (tmp / "weights").exists()
+        (tmp / "weights").write_text("new")
+    assert snapshot(out) == {Path("weights"): b"new"} and [p.name for p in tmp_path.iterdir()] == ["model"]
+    assert oct(out.stat().st_mode & 0o777) == oct(0o755)
+    with folder_replaced_atomically(tmp_path / "fresh" / "model") as tmp:  # a destination that does not exist yet
+        (tmp / "weights").write_text("first")
+    assert (tmp_path / "fresh" / "model" / "weights").read_text() == "first"

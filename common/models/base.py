@@ -49,6 +49,26 @@ class AudioVideo:
                           parts[0].sample_rate)
 
 
+class FirstFrameConditioned:
+    """Image-to-video adapters whose one condition image per prompt is the video's first frame: it is resized to
+    the output size, so a `--condition-size` other than `--resolution` is refused."""
+
+    condition_images = (1, 1)
+
+    def _check_condition_size(self, condition_size: int | None, resolution: int) -> None:
+        if condition_size is not None and condition_size != resolution:
+            raise UserError(f"--condition-size {condition_size} differs from --resolution {resolution}: for "
+                            f"{self.display_name} the condition image is the video's first frame, at the output size")
+
+    def condition_shape(self, width: int, height: int) -> tuple[int, int]:
+        """Every condition image becomes the output size."""
+        return self.height, self.width
+
+    def _check_one_image_each(self, prompts: list[str], images: list[list]) -> None:
+        if len(images) != len(prompts) or any(len(group) != 1 for group in images):
+            raise ValueError(f"{self.display_name} takes exactly one condition image per prompt")
+
+
 class _Adapter:
     """What the adapters share: loading a pipeline's components, parking the frozen text encoders on the CPU,
     autocast to the model dtype, and writing LoRA weights in the pipeline's own format."""

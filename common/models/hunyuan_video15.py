@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from common.checkpoint import LORA_FILE
-from common.models.base import _Adapter
+from common.models.base import FirstFrameConditioned, _Adapter
 from common.utils import UserError
 
 
@@ -163,7 +163,7 @@ class HunyuanVideo15Adapter(_Adapter):
                                          weight_name=LORA_FILE)
 
 
-class HunyuanVideo15ImageToVideoAdapter(HunyuanVideo15Adapter):
+class HunyuanVideo15ImageToVideoAdapter(FirstFrameConditioned, HunyuanVideo15Adapter):
     """HunyuanVideo-1.5 I2V over `HunyuanVideo15ImageToVideoPipeline`'s components: `HunyuanVideo15Adapter` plus the
     condition image, the video's first frame, centre-cropped to the output size (the pipeline's
     `resize(..., resize_mode="crop")`; the pipeline picks that size from the image's aspect-ratio bucket, here it is
@@ -179,15 +179,12 @@ class HunyuanVideo15ImageToVideoAdapter(HunyuanVideo15Adapter):
     pipeline_class_name = "HunyuanVideo15ImageToVideoPipeline"
     display_name = "HunyuanVideo-1.5 I2V"
     text_components = (*HunyuanVideo15Adapter.text_components, "image_encoder", "feature_extractor")
-    condition_images = (1, 1)
     condition_components = ("vae",)  # condition latents are cached: preprocess.py VAE-encodes them
 
     def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
                  max_sequence_length: int = 1000, load_text_encoders: bool = True, text_only: bool = False,
                  condition_size: int | None = None, num_frames: int = 33):
-        if condition_size is not None and condition_size != resolution:
-            raise UserError(f"--condition-size {condition_size} differs from --resolution {resolution}: for "
-                            f"{self.display_name} the condition image is the video's first frame, at the output size")
+        self._check_condition_size(condition_size, resolution)
         super().__init__(model_path, device, dtype, resolution, max_sequence_length, load_text_encoders, text_only,
                          num_frames)
         if self.pipe.image_encoder is not None:  # frozen like the text encoders, parked on the CPU between uses
@@ -200,16 +197,11 @@ class HunyuanVideo15ImageToVideoAdapter(HunyuanVideo15Adapter):
             raise UserError(f"{model_path!r} is a step-distilled (meanflow) checkpoint, whose transformer takes the "
                             f"next step's timestep too; only the 50-step I2V checkpoints are supported")
 
-    def condition_shape(self, width: int, height: int) -> tuple[int, int]:
-        """Every condition image becomes the output size (centre crop, then resize)."""
-        return self.height, self.width
-
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], images: list[list]) -> dict[str, torch.Tensor]:
         """Text tensors, SigLIP image tokens and first-frame condition channels, one row per prompt (see the class
         docstring)."""
-        if len(images) != len(prompts) or any(len(group) != 1 for group in images):
-            raise ValueError(f"{self.display_name} takes exactly one condition image per prompt")
+        self._check_one_image_each(prompts, images)
         cond = super().encode_prompts(prompts)
         pipe, frames = self.pipe, (self.num_frames - 1) // self.temporal_factor + 1
         embeds, conditions = [], []

@@ -5,7 +5,7 @@ it as any other model's latents."""
 import numpy as np
 import torch
 
-from common.models.base import AudioVideo, _Adapter
+from common.models.base import AudioVideo, FirstFrameConditioned, _Adapter
 from common.utils import UserError
 
 
@@ -211,7 +211,7 @@ class LTX2Adapter(_Adapter):
         return AudioVideo(frames, pipe.vocoder(mel.to(pipe.vocoder.dtype)).float(), self.sample_rate)
 
 
-class LTX2ImageToVideoAdapter(LTX2Adapter):
+class LTX2ImageToVideoAdapter(FirstFrameConditioned, LTX2Adapter):
     """LTX-2 image-to-audio-video over `LTX2ImageToVideoPipeline` (the same components as `LTX2Pipeline`): the
     condition image, VAE-encoded, is the video's first latent frame. The pipeline keeps those tokens clean (its
     conditioning mask: per-token timestep 0) and steps only the other frames; here they are not in the state at all.
@@ -228,7 +228,6 @@ class LTX2ImageToVideoAdapter(LTX2Adapter):
     pipeline_class_name = "LTX2ImageToVideoPipeline"
     also_loads = ("LTX2Pipeline",)  # Lightricks/LTX-2 names LTX2Pipeline; the pipelines share its components
     display_name = "LTX-2 I2V"
-    condition_images = (1, 1)
     condition_components = ("vae",)  # condition latents are cached: preprocess.py VAE-encodes them
     first_frame_given = True
     # LTX-2's plan splits the video tokens but not a per-token timestep, which the clean first frame needs
@@ -238,9 +237,7 @@ class LTX2ImageToVideoAdapter(LTX2Adapter):
     def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
                  max_sequence_length: int = 1024, load_text_encoders: bool = True, text_only: bool = False,
                  condition_size: int | None = None, num_frames: int = 33):
-        if condition_size is not None and condition_size != resolution:
-            raise UserError(f"--condition-size {condition_size} differs from --resolution {resolution}: for "
-                            f"{self.display_name} the condition image is the video's first frame, at the output size")
+        self._check_condition_size(condition_size, resolution)
         super().__init__(model_path, device, dtype, resolution, max_sequence_length, load_text_encoders, text_only,
                          num_frames)
         self.condition_size = condition_size
@@ -251,17 +248,12 @@ class LTX2ImageToVideoAdapter(LTX2Adapter):
             raise UserError(f"{model_path!r}: its transformer packs {self.config.patch_size_t} latent frames per "
                             f"token; {self.display_name} needs the first frame in tokens of its own (patch_size_t 1)")
 
-    def condition_shape(self, width: int, height: int) -> tuple[int, int]:
-        """Every condition image becomes the output size, as `video_processor.preprocess(image, height, width)`."""
-        return self.height, self.width
-
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], images: list[list]) -> dict[str, torch.Tensor]:
         """The text conditioning of `LTX2Adapter` and each prompt's condition image as the pipeline's first latent
         frame: resized to the output size, the VAE's mode (`argmax`), normalised by the latent statistics (without
         the scaling factor, as `prepare_latents` does), packed; one row per prompt."""
-        if len(images) != len(prompts) or any(len(group) != 1 for group in images):
-            raise ValueError(f"{self.display_name} takes exactly one condition image per prompt")
+        self._check_one_image_each(prompts, images)
         from diffusers.pipelines.ltx2.pipeline_ltx2_image2video import retrieve_latents
 
         cond, pipe, rows = super().encode_prompts(prompts), self.pipe, []

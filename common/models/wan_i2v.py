@@ -5,11 +5,12 @@ a first-frame mask are concatenated to the noisy latents along channels, as the 
 
 import torch
 
+from common.models.base import FirstFrameConditioned
 from common.models.wan import WanAdapter
 from common.utils import UserError
 
 
-class WanImageToVideoAdapter(WanAdapter):
+class WanImageToVideoAdapter(FirstFrameConditioned, WanAdapter):
     """Wan2.1-I2V over `WanImageToVideoPipeline`'s components: `WanAdapter` (UMT5, the Wan VAE, the UniPC σ
     schedule and integer timesteps, true CFG) plus the condition image, which is the video's first frame at the
     output size. `encode_prompts` returns, per prompt and its image:
@@ -29,7 +30,6 @@ class WanImageToVideoAdapter(WanAdapter):
     default_guidance_scale = 5.0  # the pipeline's default and its model card's example
     # CLIP (image_encoder, image_processor) only feeds `image_embeds`, which the cache holds.
     text_components = ("text_encoder", "tokenizer", "image_encoder", "image_processor")
-    condition_images = (1, 1)
     condition_components = ("vae",)  # condition latents are cached: preprocess.py VAE-encodes them
     # WanAttnProcessor takes all but the last 512 context tokens as image tokens (hardcoded) where the transformer
     # has an image projection (Wan2.1): the prompt embeddings are zero-padded to 512 rows whatever
@@ -41,9 +41,7 @@ class WanImageToVideoAdapter(WanAdapter):
     def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
                  max_sequence_length: int = 512, load_text_encoders: bool = True, text_only: bool = False,
                  condition_size: int | None = None, num_frames: int = 33):
-        if condition_size is not None and condition_size != resolution:
-            raise UserError(f"--condition-size {condition_size} differs from --resolution {resolution}: for "
-                            f"{self.display_name} the condition image is the video's first frame, at the output size")
+        self._check_condition_size(condition_size, resolution)
         from diffusers.utils import is_ftfy_available
 
         if load_text_encoders and not is_ftfy_available():  # WanImageToVideoPipeline cleans prompts with it, unguarded
@@ -107,16 +105,11 @@ class WanImageToVideoAdapter(WanAdapter):
             raise UserError(f"cannot read the transformer config of {model_path!r}: "
                             f"{str(err).splitlines()[0]}") from err
 
-    def condition_shape(self, width: int, height: int) -> tuple[int, int]:
-        """Every condition image becomes the output size, as `video_processor.preprocess(image, height, width)`."""
-        return self.height, self.width
-
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], images: list[list]) -> dict[str, torch.Tensor]:
         """Prompt embeddings, CLIP image embeddings and first-frame condition latents, one row per prompt (see the
         class docstring)."""
-        if len(images) != len(prompts) or any(len(group) != 1 for group in images):
-            raise ValueError(f"{self.display_name} takes exactly one condition image per prompt")
+        self._check_one_image_each(prompts, images)
         cond = super().encode_prompts(prompts)
         if self.image_tokens:
             text = cond["prompt_embeds"]

@@ -20,10 +20,7 @@ Deterministic for a given seed on one thread (renders, noise and σ all come fro
 
 import argparse
 import copy
-import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from common.models import load_adapter  # noqa: E402
 from common.sampling import sample, sample_generators  # noqa: E402
 from common.toy import MAX_SEQUENCE_LENGTH, RESOLUTION, build_toy_pipeline, load_toy_split, render_batch, toy_model_path  # noqa: E402
-from common.utils import quiet_libraries  # noqa: E402
+from common.utils import folder_replaced_atomically, quiet_libraries  # noqa: E402
 from rewards.toy import ToyReward  # noqa: E402
 
 EVAL_STEPS = 8  # Euler ODE steps of the held-out evaluation (the adapter's `sigmas(8)`)
@@ -214,9 +211,7 @@ def main() -> None:
         set_latent_scaling(pipe.vae, train * 8, rng)
         log(f"VAE done, cpu {(time.process_time() - start) / 60:.1f} min")
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{args.out.name}-", dir=args.out.parent))
-    try:
+    with folder_replaced_atomically(args.out) as tmp:
         pipe.save_pretrained(tmp, safe_serialization=True)
         adapter = load_adapter("flux1", str(tmp), "cpu", torch.float32, resolution=RESOLUTION,
                                max_sequence_length=MAX_SEQUENCE_LENGTH)
@@ -228,17 +223,6 @@ def main() -> None:
         log(f"held-out, {len(test)} prompts x {EVAL_SEEDS} seeds, Euler ODE {EVAL_STEPS} steps: "
             f"{format_checks(checks)}")
         adapter.pipe.save_pretrained(tmp, safe_serialization=True)
-        os.chmod(tmp, 0o755)  # mkdtemp's folder is private
-        # Swap in the new folder: rename the old one aside first, so the destination is never half-written.
-        old = None
-        if args.out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{args.out.name}-old-", dir=args.out.parent))
-            os.rename(args.out, old / "model")
-        os.rename(tmp, args.out)
-        if old is not None:
-            shutil.rmtree(old)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     log(f"saved {args.out}")
 
 

@@ -28,7 +28,6 @@ import filecmp
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -44,7 +43,7 @@ from common.sampling import sample, sample_generators  # noqa: E402
 from common.toy import MAX_SEQUENCE_LENGTH, RESOLUTION, toy_model_path  # noqa: E402
 from common.toy_edit import (KINDS, dataset_records, edit_split, instructions, parse_instruction,  # noqa: E402
                              render_edit)
-from common.utils import quiet_libraries  # noqa: E402
+from common.utils import folder_replaced_atomically, quiet_libraries  # noqa: E402
 from rewards.toy_edit import ToyEditReward  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -218,9 +217,7 @@ def main() -> None:
     train, _ = edit_split()
     test_records = dataset_records("test")
     start = time.process_time()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{args.out.name}-", dir=args.out.parent))
-    try:
+    with folder_replaced_atomically(args.out) as tmp:
         # The toy pipeline's components, unchanged, as a Kontext pipeline: the condition's tokens are appended.
         FluxKontextPipeline(**FluxPipeline.from_pretrained(args.base).components).save_pretrained(
             tmp, safe_serialization=True)
@@ -237,17 +234,6 @@ def main() -> None:
             f"{format_checks(checks, kinds)}")
         adapter.pipe.save_pretrained(tmp, safe_serialization=True)
         share_frozen_components(tmp, args.base, args.out)
-        os.chmod(tmp, 0o755)  # mkdtemp's folder is private
-        # Swap in the new folder: rename the old one aside first, so the destination is never half-written.
-        old = None
-        if args.out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{args.out.name}-old-", dir=args.out.parent))
-            os.rename(args.out, old / "model")
-        os.rename(tmp, args.out)
-        if old is not None:
-            shutil.rmtree(old)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     log(f"saved {args.out}")
 
 

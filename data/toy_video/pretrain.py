@@ -18,10 +18,7 @@ Deterministic for a given seed on one thread (renders, noise and σ all come fro
 
 import argparse
 import copy
-import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from common.models import load_adapter  # noqa: E402
 from common.sampling import sample, sample_generators  # noqa: E402
 from common.toy import toy_model_path  # noqa: E402
-from common.toy_video import (MAX_SEQUENCE_LENGTH, NUM_FRAMES, RESOLUTION, build_toy_video_pipeline,  # noqa: E402
-                              load_video_split, render_clips)
-from common.utils import quiet_libraries  # noqa: E402
+from common.toy_video import (FLOW_SHIFT, MAX_SEQUENCE_LENGTH, NUM_FRAMES, RESOLUTION,  # noqa: E402
+                              build_toy_video_pipeline, load_video_split, render_clips)
+from common.utils import folder_replaced_atomically, quiet_libraries  # noqa: E402
 from rewards.toy_video import ToyVideoReward  # noqa: E402
 
 EVAL_STEPS = 8  # Euler ODE steps of the held-out evaluation (the adapter's `sigmas(8)`)
@@ -152,9 +149,17 @@ def render_pool(adapter, prompts: list[str], per_prompt: int, rng: np.random.Gen
     return torch.cat(latents), torch.tensor(index)
 
 
+def shifted_sigmas(batch: int, shift: float, generator: torch.Generator) -> torch.Tensor:
+    """σ = s·t / (1 + (s − 1)·t) of t uniform in (0, 1): the density of the σ's an N-step sampler on the scheduler's
+    shifted schedule visits, for any N (at shift 5, 8 steps never evaluate below σ = 0.42; a logit-normal σ
+    would spend half of the training below 0.5)."""
+    t = torch.rand(batch, generator=generator)
+    return shift * t / (1 + (shift - 1) * t)
+
+
 def pretrain_transformer(adapter, prompts: list[str], test_prompts: list[str], rng: np.random.Generator,
                          steps: int, batch: int, lr: float, warmup: int, ema_decay: float, pool: int,
-                         eval_every: int, snapshots: Path | None = None):
+                         eval_every: int, shift: float, snapshots: Path | None = None):
     """Rectified flow through `adapter.velocity`; returns the EMA copy of the transformer."""
     generator = torch.Generator().manual_seed(int(rng.integers(2**31)))
     log(f"rendering and encoding {pool} clips per training prompt")
@@ -170,7 +175,7 @@ def pretrain_transformer(adapter, prompts: list[str], test_prompts: list[str], r
         pick = torch.from_numpy(rng.integers(len(pool_latents), size=batch))
         x0 = pool_latents[pick]
         noise = torch.randn(x0.shape, generator=generator)
-        sigma = torch.sigmoid(torch.randn(batch, generator=generator))  # logit-normal(0, 1)
+        sigma = shifted_sigmas(batch, shift, generator)
         s = sigma.view(-1, 1, 1, 1, 1)
         x_sigma = (1 - s) * x0 + s * noise
         batch_cond = {key: value[index[pick]] for key, value in cond.items()}
@@ -189,6 +194,8 @@ def pretrain_transformer(adapter, prompts: list[str], test_prompts: list[str], r
         if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
             checks = evaluate(adapter, ema, test_prompts, seeds=range(4))
             log(f"step {step + 1} held-out (EMA, 4 seeds, {EVAL_STEPS} Euler steps): {format_checks(checks)}")
+            checks = evaluate(adapter, ema, test_prompts, seeds=range(4), num_steps=2 * EVAL_STEPS)
+            log(f"step {step + 1} held-out (EMA, 4 seeds, {2 * EVAL_STEPS} Euler steps): {format_checks(checks)}")
             if snapshots is not None:  # to pick a weaker base by its held-out score, if the final one is too strong
                 snapshots.mkdir(parents=True, exist_ok=True)
                 save_file(ema.state_dict(), snapshots / f"transformer-{step + 1}.safetensors")
@@ -220,6 +227,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=toy_model_path("wan"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vae-from", type=Path, default=None,
+                        help="take the VAE of this pipeline folder (an earlier run's) instead of training one")
     parser.add_argument("--vae-steps", type=int, default=2000, help="steps training the whole VAE")
     parser.add_argument("--decoder-steps", type=int, default=500, help="then steps training the decoder alone")
     parser.add_argument("--vae-batch", type=int, default=8)
@@ -227,6 +236,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--shift", type=float, default=FLOW_SHIFT, help="time shift of the training σ")
     parser.add_argument("--ema", type=float, default=0.995)
     parser.add_argument("--pool", type=int, default=64, help="renders per training prompt for the transformer")
     parser.add_argument("--eval-every", type=int, default=500)
@@ -241,37 +251,32 @@ def main() -> None:
     start = time.process_time()
 
     pipe = build_toy_video_pipeline(args.seed)
-    log(f"VAE: {args.vae_steps} steps, then {args.decoder_steps} decoder steps")
-    train_vae(pipe.vae, train, test, rng, args.vae_steps, args.decoder_steps, args.vae_batch, args.lr)
-    log(f"VAE reconstructions, held-out prompts x 8: {format_checks(vae_report(pipe.vae, test * 8, rng, reward))}")
-    set_latent_scaling(pipe.vae, train * 4, rng)
-    log(f"VAE done, cpu {(time.process_time() - start) / 60:.1f} min")
+    if args.vae_from is not None:
+        from diffusers import AutoencoderKLWan
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{args.out.name}-", dir=args.out.parent))
-    try:
+        pipe.vae = AutoencoderKLWan.from_pretrained(args.vae_from, subfolder="vae")
+        log(f"VAE of {args.vae_from}")
+    else:
+        log(f"VAE: {args.vae_steps} steps, then {args.decoder_steps} decoder steps")
+        train_vae(pipe.vae, train, test, rng, args.vae_steps, args.decoder_steps, args.vae_batch, args.lr)
+        log(f"VAE reconstructions, held-out x 8: {format_checks(vae_report(pipe.vae, test * 8, rng, reward))}")
+        set_latent_scaling(pipe.vae, train * 4, rng)
+        log(f"VAE done, cpu {(time.process_time() - start) / 60:.1f} min")
+    # The transformer's own stream of renders and noise: the same whether the VAE was trained here or taken
+    rng = np.random.default_rng([args.seed, 1])
+
+    with folder_replaced_atomically(args.out) as tmp:
         pipe.save_pretrained(tmp, safe_serialization=True)
         adapter = load_adapter("wan", str(tmp), "cpu", torch.float32, resolution=RESOLUTION,
                                max_sequence_length=MAX_SEQUENCE_LENGTH, num_frames=NUM_FRAMES)
         ema = pretrain_transformer(adapter, train, test, rng, args.steps, args.batch, args.lr, args.warmup,
-                                   args.ema, args.pool, args.eval_every, args.snapshots)
+                                   args.ema, args.pool, args.eval_every, args.shift, args.snapshots)
         adapter.pipe.transformer.load_state_dict(ema.state_dict())
         log(f"pretraining done, cpu {(time.process_time() - start) / 60:.1f} min in all")
         checks = evaluate(adapter, adapter.transformer, test, seeds=range(EVAL_SEEDS))
         log(f"held-out, {len(test)} prompts x {EVAL_SEEDS} seeds, Euler ODE {EVAL_STEPS} steps: "
             f"{format_checks(checks)}")
         adapter.pipe.save_pretrained(tmp, safe_serialization=True)
-        os.chmod(tmp, 0o755)  # mkdtemp's folder is private
-        # Swap in the new folder: rename the old one aside first, so the destination is never half-written.
-        old = None
-        if args.out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{args.out.name}-old-", dir=args.out.parent))
-            os.rename(args.out, old / "model")
-        os.rename(tmp, args.out)
-        if old is not None:
-            shutil.rmtree(old)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     log(f"saved {args.out}")
 
 
