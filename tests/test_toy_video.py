@@ -157,19 +157,25 @@ def video_adapter():
 @needs_model
 def test_the_stock_pipeline_reproduces_the_adapters_sampler(video_adapter):
     """WanPipeline from the shipped folder, its UniPC at order 1 without the corrector (for flow matching exactly
-    the Euler step on the same σ, as tests/test_adapters.py explains): the same latents as the adapter's ODE."""
+    the Euler step on the same σ, as tests/test_adapters.py explains): the same latents as the adapter's ODE. On
+    UniPC's own first σ, 1 − 1e-6 (the adapter's `sigmas` put back 1 for the SDE steps): the trained model carries
+    that 1e-6 to a 3e-4 difference after 8 steps, which the random tiny Wan of test_adapters.py does not."""
     from diffusers import UniPCMultistepScheduler, WanPipeline
 
     from common.sampling import sample, sample_generators
 
     prompt, steps = "two blue circles moving down", 8
-    cond = video_adapter.encode_prompts([prompt])
-    ours = sample(lambda x, s: video_adapter.velocity(x, s, cond, guidance_scale=1.0),
-                  video_adapter.noise(sample_generators([5], "cpu")), video_adapter.sigmas(steps))
     pipe = WanPipeline.from_pretrained(MODEL)
     pipe.set_progress_bar_config(disable=True)
     pipe.scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config, solver_order=1,
                                                          disable_corrector=list(range(steps)))
+    pipe.scheduler.set_timesteps(steps)
+    sigmas = video_adapter.sigmas(steps)
+    assert sigmas[0] == 1 and 0 < 1 - pipe.scheduler.sigmas[0] < 1e-5
+    sigmas[0] = pipe.scheduler.sigmas[0]
+    cond = video_adapter.encode_prompts([prompt])
+    ours = sample(lambda x, s: video_adapter.velocity(x, s, cond, guidance_scale=1.0),
+                  video_adapter.noise(sample_generators([5], "cpu")), sigmas)
     theirs = pipe(prompt=prompt, height=RESOLUTION, width=RESOLUTION, num_frames=NUM_FRAMES,
                   num_inference_steps=steps, guidance_scale=1.0, max_sequence_length=MAX_SEQUENCE_LENGTH,
                   generator=sample_generators([5], "cpu"), output_type="latent").frames
@@ -193,4 +199,4 @@ def test_shipped_model_held_out_score(video_adapter):
 
 
 # The shipped model's held-out score under the protocol above, as measured when data/toy_video/model/ was made.
-PINNED = {"strict": None, "partial": None}
+PINNED = {"strict": 0.2895, "partial": 0.7434}

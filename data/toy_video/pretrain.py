@@ -1,15 +1,18 @@
 """Regenerate the toy video world's pretrained Wan pipeline, data/toy_video/model/, from scratch on one CPU thread.
 
-    python data/toy_video/pretrain.py                      # the shipped recipe (about 45 CPU-minutes)
+    python data/toy_video/pretrain.py                      # the shipped recipe (about 60 CPU-minutes)
     python data/toy_video/pretrain.py --out /tmp/toy-video --steps 500
+    python data/toy_video/pretrain.py --vae-from data/toy_video/model --out /tmp/tv --snapshots /tmp/tv-snapshots
+                                                     # the transformer alone, on the shipped VAE
 
 1. Build the pipeline (common/toy_video.py `build_toy_video_pipeline`) with a fixed seed: a random frozen UMT5.
 2. Train the Wan VAE on 5-frame renders of the training prompts: the whole VAE, then the decoder alone with the
    encoder frozen (the latent space the transformer learns is then fixed). Set `latents_mean`/`latents_std` per
    channel from the encoder's latents, so that the transformer sees unit variance (WanPipeline's convention).
 3. Save, load through the project's own `WanAdapter` and pretrain the transformer by rectified flow through
-   `adapter.velocity` (the forward the RL scripts use): x_σ = (1 − σ)·x0 + σ·ε, target v = ε − x0, logit-normal
-   σ, AdamW with warm-up, an EMA of the weights, which is what is saved.
+   `adapter.velocity` (the forward the RL scripts use): x_σ = (1 − σ)·x0 + σ·ε, target v = ε − x0, σ at the
+   scheduler's shift (uniform t, then σ = 5t / (1 + 4t)), AdamW with warm-up, an EMA of the weights, which is what
+   is saved.
 4. Score the EMA model on the held-out prompts (Euler ODE on the scheduler's σ) and write the pipeline atomically:
    a temporary folder next to the destination, renamed into place.
 
@@ -232,9 +235,10 @@ def main() -> None:
     parser.add_argument("--vae-steps", type=int, default=2000, help="steps training the whole VAE")
     parser.add_argument("--decoder-steps", type=int, default=500, help="then steps training the decoder alone")
     parser.add_argument("--vae-batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=3000, help="transformer pretraining steps")
+    parser.add_argument("--vae-lr", type=float, default=1e-3)
+    parser.add_argument("--steps", type=int, default=6000, help="transformer pretraining steps")
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=2e-3, help="the transformer's")
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--shift", type=float, default=FLOW_SHIFT, help="time shift of the training σ")
     parser.add_argument("--ema", type=float, default=0.995)
@@ -258,7 +262,7 @@ def main() -> None:
         log(f"VAE of {args.vae_from}")
     else:
         log(f"VAE: {args.vae_steps} steps, then {args.decoder_steps} decoder steps")
-        train_vae(pipe.vae, train, test, rng, args.vae_steps, args.decoder_steps, args.vae_batch, args.lr)
+        train_vae(pipe.vae, train, test, rng, args.vae_steps, args.decoder_steps, args.vae_batch, args.vae_lr)
         log(f"VAE reconstructions, held-out x 8: {format_checks(vae_report(pipe.vae, test * 8, rng, reward))}")
         set_latent_scaling(pipe.vae, train * 4, rng)
         log(f"VAE done, cpu {(time.process_time() - start) / 60:.1f} min")
