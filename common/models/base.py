@@ -247,6 +247,12 @@ class _Adapter:
                              f"(negative_{missing[0]}): encode with common.cache.PromptEncoder")
         return True
 
+    @staticmethod
+    def _cfg_combine(out: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+        """True CFG on a [negative; positive] batch, as the pipelines combine it: v_neg + w·(v_pos − v_neg)."""
+        uncond, text = out.chunk(2)
+        return uncond + guidance_scale * (text - uncond)
+
     def save_lora(self, directory: str | Path, lora_state_dict: dict[str, torch.Tensor],
                   adapter_name: str = "default") -> None:
         """Write LoRA weights in the diffusers format the matching pipeline's `load_lora_weights` reads, with the

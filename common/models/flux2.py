@@ -127,10 +127,7 @@ class Flux2Adapter(_Adapter):
             out = model(hidden_states=x.to(self.dtype), timestep=timestep, guidance=guidance,
                         encoder_hidden_states=embeds.to(self.dtype), txt_ids=text_ids, img_ids=self.image_ids,
                         return_dict=False)[0].float()
-        if cfg:
-            uncond, text = out.chunk(2)
-            out = uncond + guidance_scale * (text - uncond)
-        return out
+        return self._cfg_combine(out, guidance_scale) if cfg else out
 
     # ----- images -------------------------------------------------------------------------------------
     @torch.no_grad()

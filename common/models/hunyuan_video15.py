@@ -137,10 +137,7 @@ class HunyuanVideo15Adapter(_Adapter):
         with self._autocast():
             out = model(hidden_states=x.to(self.dtype), timestep=timestep.to(self.dtype), image_embeds=image.to(self.dtype),
                         return_dict=False, **{k: v.to(self.dtype) for k, v in texts.items()})[0].float()
-        if cfg:
-            uncond, text = out.chunk(2)
-            out = uncond + guidance_scale * (text - uncond)
-        return out
+        return self._cfg_combine(out, guidance_scale) if cfg else out
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, cond=None) -> torch.Tensor:

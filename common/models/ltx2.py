@@ -182,10 +182,7 @@ class LTX2Adapter(_Adapter):
                 audio_num_frames=self.audio_frames, use_cross_timestep=True, return_dict=False)
         out_video, out_audio = out_video[:, self.condition_tokens:].float(), out_audio.float()
         if cfg:
-            uncond, text = out_video.chunk(2)
-            out_video = uncond + video_scale * (text - uncond)
-            uncond, text = out_audio.chunk(2)
-            out_audio = uncond + audio_scale * (text - uncond)
+            out_video, out_audio = self._cfg_combine(out_video, video_scale), self._cfg_combine(out_audio, audio_scale)
         return self.join(out_video, out_audio)
 
     @torch.no_grad()

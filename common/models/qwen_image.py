@@ -102,8 +102,8 @@ class QwenImageAdapter(_Adapter):
                                    encoder_hidden_states_mask=mask, encoder_hidden_states=embeds.to(self.dtype),
                                    img_shapes=img_shapes, return_dict=False)[0].float()
         if cfg:
-            uncond, text = out.chunk(2)
-            combined = uncond + guidance_scale * (text - uncond)
+            text = out.chunk(2)[1]
+            combined = self._cfg_combine(out, guidance_scale)
             out = combined * (torch.norm(text, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
         return out
 

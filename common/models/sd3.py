@@ -84,10 +84,7 @@ class SD3Adapter(_Adapter):
             out = model(hidden_states=x.to(self.dtype), timestep=timestep,
                                    encoder_hidden_states=embeds.to(self.dtype),
                                    pooled_projections=pooled.to(self.dtype), return_dict=False)[0].float()
-        if cfg:
-            uncond, text = out.chunk(2)
-            out = uncond + guidance_scale * (text - uncond)
-        return out
+        return self._cfg_combine(out, guidance_scale) if cfg else out
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, cond=None) -> torch.Tensor:

@@ -115,10 +115,7 @@ class WanAdapter(_Adapter):
         with self._autocast():
             out = model(hidden_states=x.to(self.dtype), timestep=timestep, encoder_hidden_states=embeds.to(self.dtype),
                         return_dict=False, **{name: value.to(self.dtype) for name, value in extra.items()})[0].float()
-        if cfg:
-            uncond, text = out.chunk(2)
-            out = uncond + guidance_scale * (text - uncond)
-        return out
+        return self._cfg_combine(out, guidance_scale) if cfg else out
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, cond=None) -> torch.Tensor:
