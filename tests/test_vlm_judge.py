@@ -316,7 +316,7 @@ def test_geneval2_on_a_tiny_flux_against_an_independent_aggregation(tmp_path, ju
 
 
 def test_geneval2_bad_input_is_one_line(tmp_path):
-    from evaluate import load_geneval2
+    from common.benchmarks import load_geneval2
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a cat", "category": "object", "atoms": [], "seeds": [1, 1]}\n')
