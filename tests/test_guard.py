@@ -211,3 +211,64 @@ def test_rollback_needs_a_kl_weight(tmp_path):
     error = script_error("algos/opd.py", "--preset", "tiny", "--judge", "jpeg_incompressibility", "--guard",
                          "rollback", "--output-dir", tmp_path / "run")
     assert "this script has none (--kl-beta)" in error
+
+
+# ---- the prompt gap on the shipped toy model ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def toy_clip(tmp_path_factory):
+    """A tiny CLIPModel (the real class, rewards/clip.py's tiny layout) trained contrastively for a few hundred steps
+    on the toy world's renders of its training prompts, so that its score follows the prompt (a random one does not:
+    no hub here for the real CLIP)."""
+    from transformers import CLIPModel, CLIPProcessor
+
+    from common.toy import load_toy_split, render_batch
+    from rewards.clip import build_tiny_clip, to_pil
+
+    folder = tmp_path_factory.mktemp("toy-clip")
+    build_tiny_clip(folder, projection_dim=64)
+    model, processor = CLIPModel.from_pretrained(folder), CLIPProcessor.from_pretrained(folder)
+    train, _ = load_toy_split()
+    rng, generator = np.random.default_rng(0), torch.Generator().manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        for _ in range(300):
+            prompts = list(rng.choice(train, 32, replace=False))
+            inputs = processor(text=prompts, images=to_pil(render_batch(prompts, rng)), return_tensors="pt",
+                               padding=True)
+            loss = model(**inputs, return_loss=True).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder, float(loss.detach())
+
+
+@SLOW
+def test_prompt_gap_separates_rewards_that_follow_the_prompt(toy_clip):
+    """On the untrained toy model's evaluation samples (36 held-out prompts × 2 seeds): the toy checks and a CLIP
+    that knows the world score a sample higher against its own prompt than against another; JPEG size and the
+    aesthetic head never read the prompt (gap exactly 0, so within noise: the run names them)."""
+    from accelerate import Accelerator
+
+    from common.cache import PromptEncoder
+    from common.data import load_prompts
+    from common.evaluation import evaluate_prompts
+    from common.models import load_adapter
+    from rewards import load_rewards
+
+    clip, loss = toy_clip
+    assert loss < 2.8  # it learned something (log 32 = 3.47 at chance; prompts of one colour share a batch)
+    adapter = load_adapter("flux1", "toy", "cpu", torch.float32, resolution=32, max_sequence_length=16)
+    rewards = load_rewards(["toy", f"clip,path={clip}", "jpeg_compressibility", "aesthetic,path=tiny"])
+    metrics = evaluate_prompts(adapter, Accelerator(cpu=True), PromptEncoder(adapter, None), rewards,
+                               load_prompts(str(REPO / "data" / "toy"), "test"), 2, 8, 36, 1.0, prompt_gap=True)
+    for name in ("toy", "clip"):
+        assert metrics[f"prompt_gap_{name}"] > 3 * metrics[f"prompt_gap_{name}_se"] > 0, name
+    for name in ("jpeg_compressibility", "aesthetic"):
+        assert metrics[f"prompt_gap_{name}"] == metrics[f"prompt_gap_{name}_se"] == 0.0, name
+    notes = prompt_gap_notes(metrics)
+    assert len(notes) == 2 and "'aesthetic'" in notes[0] and "'jpeg_compressibility'" in notes[1]
+    # the gap is mean(own) − mean(shuffled), paired: own is the evaluation's own mean
+    assert metrics["eval_reward_toy"] - metrics["prompt_gap_toy"] < metrics["eval_reward_toy"]
