@@ -3,10 +3,6 @@ prompt gap, and end to end on the tiny FLUX.1 — a rollback restores exactly wh
 the guard and resumed does not act twice on one event, the judges' best checkpoints survive rotation, bad flags."""
 
 import json
-import math
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -166,8 +162,9 @@ def test_stop_names_the_judge_and_its_checkpoint_and_a_resume_does_not_act_twice
     epoch = event[0]["epoch"]
     saved = meta(out / "checkpoints" / f"epoch_{epoch:06d}")["guard"]
     best = saved["events"][0]["best_epoch"]
-    assert f"judge 'jpeg_incompressibility'" in line and f"at epoch {epoch}" in line and f"(epoch {best})" in line
-    assert str(out / "checkpoints" / f"epoch_{best:06d}") in line and (out / "checkpoints" / f"epoch_{best:06d}").is_dir()
+    assert "judge 'jpeg_incompressibility'" in line and f"at epoch {epoch}" in line and f"(epoch {best})" in line
+    folder = out / "checkpoints" / f"epoch_{best:06d}"
+    assert str(folder) in line and folder.is_dir()
     # Resumed for one more epoch: the event of `epoch` is not met again (its streak was spent), nothing stops.
     run_script("algos/grpo.py", *HACK, "--epochs", str(epoch + 2), "--guard", "stop", "--guard-patience", "2",
                "--output-dir", out, "--resume")
@@ -229,7 +226,7 @@ def toy_clip(tmp_path_factory):
     build_tiny_clip(folder, projection_dim=64)
     model, processor = CLIPModel.from_pretrained(folder), CLIPProcessor.from_pretrained(folder)
     train, _ = load_toy_split()
-    rng, generator = np.random.default_rng(0), torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
     with torch.random.fork_rng():
         torch.manual_seed(0)
