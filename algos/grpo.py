@@ -215,7 +215,7 @@ PRESETS = {
 # The guard's demonstration (docs/guard.md): the toy setting trained on a hackable reward, the share of the canvas in
 # the prompt's colour, with the toy world's strict checks as the held-out judge.
 PRESETS["toy-hack"] = dict(PRESETS["toy"], reward=["toy_colour_share"], judge=["toy,mode=strict"],
-                           epochs=100, eval_every=5, save_every=10)
+                           epochs=40, eval_every=5, save_every=10)
 
 
 if __name__ == "__main__":
