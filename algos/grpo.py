@@ -62,40 +62,32 @@ class Args(TrainArgs):
     """keep the stored rollout steps on the CPU between rollout and training"""
 
 
+# What each preset is, why, and what it measured: docs/algorithms/grpo.md#presets
 PRESETS = {
-    # The toy world (docs/toy-world.md): SDE and training only on the first two of 8 steps (Flow-GRPO-Fast's window,
-    # pinned at the start, where count, shape and place are decided; the ODE elsewhere), 8 prompts × 16 samples,
-    # lr 3e-4 (1e-3 and 2e-3 rose then collapsed), KL 0.04 to the pretrained model.
+    # The toy world (docs/toy-world.md): Flow-GRPO-Fast's window pinned on the first 2 of 8 steps, where count,
+    # shape and place are decided; a KL to the pretrained model.
     "toy": dict(TOY_WORLD, epochs=100, prompts_per_epoch=8, group_size=16, batch_size=32, updates_per_epoch=2,
                 num_steps=8, noise_level=0.7, sde_window_size=2, sde_window_range=(0, 2), learning_rate=3e-4,
                 lora_rank=16, lora_alpha=16, clip_range=1e-3, kl_beta=0.04, eval_every=10, save_every=10),
-    # The toy edit world (docs/toy-edit-world.md): the toy setting on the strict edit reward (all six checks; with
-    # their mean, held-out edits rose about half as fast), LoRA lr 1e-3, clip 1e-2, KL 0.01, evaluated with an EMA
-    # of the weights (0.98 an optimizer step): without the EMA that lr peaks at +0.06 by epoch 60 and falls back;
-    # with it held-out edits gain +0.07 to +0.09 by epoch 180 over 3 seeds (best points +0.09 to +0.11) and hold.
-    # 180 epochs: about 20 CPU-minutes.
+    # The toy edit world (docs/toy-edit-world.md): the strict edit reward, evaluated with an EMA of the weights
+    # (without it the gain falls back).
     "toy-edit": dict(TOY_EDIT_WORLD, reward=["toy_edit,mode=strict"], epochs=180, prompts_per_epoch=8, group_size=16,
                      batch_size=32, updates_per_epoch=2, num_steps=8, noise_level=0.7, sde_window_size=2,
                      sde_window_range=(0, 2), learning_rate=1e-3, lora_rank=16, lora_alpha=16, clip_range=1e-2,
                      kl_beta=0.01, ema=True, ema_decay=0.98, eval_every=20, save_every=20),
-    # The toy video world (docs/toy-video-world.md): the toy-edit setting (LoRA lr 1e-3, clip 1e-2, KL 0.01, EMA
-    # 0.98) at 8 prompts × 8 samples (16 a prompt gained half as much in 50 epochs), η 1.0 and a cosine decay of
-    # the rate. By epoch 80, η 0.7 gained +0.13 / +0.14 / +0.02 held-out strict success over seeds 1-3, η 1.0
-    # +0.20 / +0.18 / +0.19; at a constant rate η 1.0 then collapsed in seed 3 (0.257 by epoch 149, below the base),
-    # with the cosine decay it did not. 150 epochs: ~16 CPU-minutes.
+    # The toy video world (docs/toy-video-world.md): the toy-edit setting at η 1.0 with a cosine decay of the
+    # rate (at a constant rate one seed collapsed).
     "toy-video": dict(TOY_VIDEO_WORLD, epochs=150, prompts_per_epoch=8, group_size=8, batch_size=16,
                       updates_per_epoch=2, num_steps=8, noise_level=1.0, sde_window_size=2, sde_window_range=(0, 2),
                       learning_rate=1e-3, lr_schedule="cosine", lora_rank=16, lora_alpha=16, clip_range=1e-2,
                       kl_beta=0.01, ema=True, ema_decay=0.98, eval_every=10, save_every=10),
-    # The embedded tiny FLUX.1 on a CPU (docs/tiny-models.md): its log-prob averages only 256 elements, so the
-    # papers' lr and clip do not move it; a 100× clip range and LoRA lr 3e-2 raise the JPEG reward within ~150
-    # epochs for every seed tried.
+    # The embedded tiny FLUX.1 on a CPU (docs/tiny-models.md): its log-prob averages only 256 elements, hence a
+    # 100× clip range and lr 3e-2.
     "tiny": dict(model_path="tiny", resolution=64, max_sequence_length=32, epochs=150, prompts_per_epoch=2,
                  group_size=8, batch_size=8, updates_per_epoch=2, num_steps=8, noise_level=0.8,
                  learning_rate=3e-2, lora_rank=8, lora_alpha=8, clip_range=1e-2, global_std=False,
                  eval_every=50, eval_num_prompts=8, save_every=50),
-    # Flow-GRPO's FLUX.1-dev PickScore setting: LoRA r64/α128, 6 rollout steps, η 0.9, group 24, 48 prompts,
-    # 28 eval steps, KL 0.01.
+    # Flow-GRPO's FLUX.1-dev PickScore setting (the paper's).
     "flux1-flowgrpo": dict(reward=["pickscore"], resolution=512, num_steps=6, eval_num_steps=28, noise_level=0.9,
                            group_size=24, prompts_per_epoch=48, batch_size=8, learning_rate=3e-4, clip_range=1e-4,
                            kl_beta=0.01, lora_rank=64, lora_alpha=128, epochs=1000, eval_every=20, save_every=20),
