@@ -25,12 +25,10 @@ from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_ep
                           setup, start_scoring)
 from common.timesampling import (check_time_sampling, eligible_steps, sample_train_noise, sample_train_sigmas,
                                  training_generators, training_seeds)
-from common.toy import TOY_WORLD
-from common.toy_edit import TOY_EDIT_WORLD
-from common.toy_video import TOY_VIDEO_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
 from common.utils import UserError
 from rewards import load_run_rewards
+from worlds import TOY_WORLD, TOY_EDIT_WORLD, TOY_VIDEO_WORLD
 
 
 @dataclass

@@ -23,12 +23,10 @@ from common.sampling import sample, sample_generators
 from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
                           setup, start_scoring)
 from common.timesampling import sample_train_noise, shift_sigma, training_generators, training_seeds
-from common.toy import TOY_WORLD
-from common.toy_edit import TOY_EDIT_WORLD
-from common.toy_video import TOY_VIDEO_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
 from common.utils import UserError
 from rewards import load_run_rewards
+from worlds import TOY_WORLD, TOY_EDIT_WORLD, TOY_VIDEO_WORLD
 
 BETA_NOTE = ("β multiplies a difference of per-element MEAN squared velocity errors, so its scale is tied to the "
              "prediction target and the latent: 100 on FLUX.1/SD3.5 velocities, 5000 in Diffusion-DPO's "

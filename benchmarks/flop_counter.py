@@ -10,8 +10,8 @@ import torch
 from common.flops import FlopCounter
 from common.models import load_adapter
 from common.sampling import sample_generators
-from common.toy import toy_model_path
 from common.training import add_lora
+from worlds.toy.world import toy_model_path
 
 
 def seconds_per_call(adapter, x, cond, calls: int) -> tuple[float, float]:

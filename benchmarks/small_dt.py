@@ -215,7 +215,7 @@ def autograd_part(num_samples: int = 2) -> None:
 def toy_video_part(num_samples: int = 4) -> None:
     """The toy video world's Wan model (docs/toy-video-world.md) on grpo.py's toy-video preset: its schedule (the
     model's UniPC flow shift 5, 8 steps), flow-sde η 0.7, a fresh LoRA r16/α16, no CFG, training prompts. Without the
-    pretrained model (data/toy_video/model/, made by data/toy_video/pretrain.py) the same pipeline at random init,
+    pretrained model (data/toy_video/model/, made by worlds/toy_video/pretrain.py) the same pipeline at random init,
     saved and reloaded through from_pretrained, stands in, and the table says so."""
     import tempfile
     from pathlib import Path
@@ -223,9 +223,9 @@ def toy_video_part(num_samples: int = 4) -> None:
     from common.cache import PromptEncoder
     from common.data import Prompt
     from common.models import load_adapter
-    from common.toy import toy_model_path
-    from common.toy_video import build_toy_video_pipeline, video_split
     from common.training import add_lora
+    from worlds.toy.world import toy_model_path
+    from worlds.toy_video.world import build_toy_video_pipeline, video_split
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "algos"))
     from grpo import PRESETS  # the preset's values, not a copy of them
