@@ -187,7 +187,7 @@ def tiny_wan(flow_shift: float):
     """The tiny Wan2.1 pipeline (common/tiny.py) with a fresh LoRA and the real checkpoints' scheduler at
     `flow_shift` (the tiny build keeps shift 3)."""
     from common.models import load_adapter
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
     from common.training import add_lora
 
     adapter = load_adapter("wan", str(tiny_model_path("wan")), "cpu", torch.float32, 32, max_sequence_length=32,

@@ -71,7 +71,7 @@ def build_pipeline(path: Path, args: Args) -> int:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from common.tiny import tiny_clip_tokenizer, tiny_t5_tokenizer
+    from common.models.tiny_parts import tiny_clip_tokenizer, tiny_t5_tokenizer
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -13,9 +13,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from common.cli import AttentionBackend
 from common.flops import FlopCounter, default_peak_tflops
-from common.models import ADAPTERS, MODELS, load_adapter
+from common.models import ADAPTERS, MODELS, load_adapter, tiny_model_path
 from common.sampling import sample_generators
-from common.tiny import tiny_model_path
 from common.training import add_lora
 from common.utils import UserError
 from conftest import SLOW, read_metrics, run_script, script_error

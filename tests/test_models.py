@@ -64,7 +64,7 @@ def test_bad_model_and_resolution(tiny_flux_path):
 def test_tiny_build_is_deterministic(tmp_path, monkeypatch, tiny_flux_path):
     from safetensors.torch import load_file
 
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path))
     rebuilt = tiny_model_path("flux1")
@@ -129,7 +129,7 @@ def test_every_model_name_has_an_adapter_a_default_path_and_a_tiny_build():
     from common.cli import CONDITIONED_MODELS, TWO_EXPERT_MODELS, VIDEO_MODELS, ModelName
     from common.models import ADAPTERS, DEFAULT_MODEL_PATHS, MODELS
     from common.models.registry import MODELS as ROWS
-    from common.tiny import TINY_BUILDERS
+    from common.models.tiny_parts import TINY_BUILDERS
 
     assert get_args(ModelName) == tuple(ROWS) == MODELS == tuple(ADAPTERS) == tuple(DEFAULT_MODEL_PATHS)
     assert set(TINY_BUILDERS) == set(ROWS)

@@ -27,7 +27,7 @@ RESOLUTION, GUIDANCE, SIZE = 64, 4.0, 32  # SIZE: --condition-size of most tests
 
 @pytest.fixture(scope="module")
 def path():
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     return tiny_model_path("qwen-image-edit")
 

@@ -14,6 +14,7 @@ import torch
 
 from common.models.registry import MODELS as _ROWS
 from common.models.registry import REPO, TOY_REFUSAL, TWO_EXPERT_MODELS
+from common.models.tiny_parts import tiny_model_path
 from common.utils import UserError
 
 DEFAULT_MODEL_PATHS = {model: row.checkpoint for model, row in _ROWS.items()}
@@ -23,8 +24,6 @@ MODELS = tuple(_ROWS)
 def resolve_model_path(model: str, model_path: str | None) -> str:
     """`tiny` -> the locally built tiny pipeline; `toy` -> the shipped toy-world pipeline (FLUX.1 only); None ->
     the model's published checkpoint."""
-    from common.tiny import tiny_model_path
-
     if model_path == "tiny":
         return str(tiny_model_path(model))
     if model_path == "toy":  # a toy world's pretrained pipeline (the registry's `toy`); a UserError for other models
