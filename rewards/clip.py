@@ -180,7 +180,7 @@ def _tiny_or(path: str) -> str:
 
 def tiny_clip_path() -> Path:
     """A tiny random CLIP (projection 768, 32×32 images) with its processor and an aesthetic head, saved
-    under the tiny-model cache (built once, atomically; common/tiny.py)."""
+    under the tiny-model cache (built once, atomically, as the tiny pipelines)."""
     from common.models.tiny_parts import tiny_cache_root
 
     path = tiny_cache_root() / f"tiny-clip-v{TINY_CLIP_VERSION}"

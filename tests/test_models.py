@@ -124,18 +124,18 @@ def test_training_scripts_turn_off_cudnn_attention():
 def test_every_model_name_has_an_adapter_a_default_path_and_a_tiny_build():
     """The --model names the scripts, preprocess.py and evaluate.py parse (common.cli.ModelName) are the registry's,
     and each row's adapter, checkpoint, tiny builder and capabilities are what the family's module has."""
+    import sys
     from typing import get_args
 
     from common.cli import CONDITIONED_MODELS, TWO_EXPERT_MODELS, VIDEO_MODELS, ModelName
     from common.models import ADAPTERS, DEFAULT_MODEL_PATHS, MODELS
     from common.models.registry import MODELS as ROWS
-    from common.models.tiny_parts import TINY_BUILDERS
 
     assert get_args(ModelName) == tuple(ROWS) == MODELS == tuple(ADAPTERS) == tuple(DEFAULT_MODEL_PATHS)
-    assert set(TINY_BUILDERS) == set(ROWS)
     for model, row in ROWS.items():
         adapter = ADAPTERS[model]
         assert adapter.__module__ == f"common.models.{row.family}" and adapter.__name__ == row.adapter, model
+        assert callable(getattr(sys.modules[adapter.__module__], row.tiny)), model
         assert DEFAULT_MODEL_PATHS[model] == row.checkpoint
         assert (row.video, row.audio, row.two_experts, row.conditioned) == \
             (adapter.video, adapter.audio, getattr(adapter, "two_experts", False), adapter.condition_images[1] != 0), \

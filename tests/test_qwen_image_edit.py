@@ -2,8 +2,8 @@
 embeddings and rollouts equal the pipeline's (one and two condition images, with and without true CFG, the
 pipeline's own resize and a fixed condition size), the ratio invariant with CFG, a LoRA that the stock pipeline
 loads, the embedding cache (condition latents included, cached = online, bitwise) and bad condition images. The
-tiny pipeline's processor is image-only (common/tiny.py: it needs no torchvision); a checkpoint whose processor needs
-torchvision stops with one line where it is missing."""
+tiny pipeline's processor is image-only (common/models/qwen_image_edit.py: it needs no torchvision); a checkpoint
+whose processor needs torchvision stops with one line where it is missing."""
 
 import pytest
 import torch

@@ -8,17 +8,44 @@ Weights live in the model dtype (bf16 on GPUs); everything that leaves `velocity
 """
 
 import importlib
+import os
+import shutil
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
 from common.models.registry import MODELS as _ROWS
 from common.models.registry import REPO, TOY_REFUSAL, TWO_EXPERT_MODELS
-from common.models.tiny_parts import tiny_model_path
+from common.models.tiny_parts import TINY_VERSION, tiny_cache_root
 from common.utils import UserError
 
 DEFAULT_MODEL_PATHS = {model: row.checkpoint for model, row in _ROWS.items()}
 MODELS = tuple(_ROWS)
+
+
+def tiny_model_path(model: str) -> Path:
+    """Path of the saved tiny pipeline for `model`, building it first if needed (safe under several processes)."""
+    path = tiny_cache_root() / f"tiny-{model}-v{TINY_VERSION}"
+    if (path / "model_index.json").exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        # The builders seed torch's global RNG: fork it, or a run that builds the model would draw its LoRA init
+        # and noise from another state than a run that finds it built.
+        with torch.random.fork_rng(devices=[]):
+            row = _ROWS[model]
+            getattr(importlib.import_module(f"common.models.{row.family}"), row.tiny)(tmp)
+        try:
+            os.rename(tmp, path)  # atomic; fails if another process won the race
+        except OSError:
+            if not (path / "model_index.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
 
 
 def resolve_model_path(model: str, model_path: str | None) -> str:
