@@ -63,12 +63,12 @@ def test_forward_and_lora_backward_counts_equal_torchs_flop_counter(model):
     adapter = tiny_adapter(model)
     x, cond, guidance = batch(adapter)
     counter = FlopCounter()
-    counter.attach(adapter.transformer)
+    counter.attach(adapter.transformer, adapter=adapter)
     with torch.no_grad():
         expected = torch_count(lambda: adapter.velocity(x, 0.6, cond, guidance))
     assert expected > 0 and counter.take() == expected
     add_lora(adapter.transformer, 4, 4, adapter.lora_target_modules)
-    counter.attach(adapter.transformer)  # the new LoRA factors; the hooked layers are not hooked twice
+    counter.attach(adapter.transformer, adapter=adapter)  # the new LoRA factors; the hooked layers are not hooked twice
     expected = torch_count(lambda: adapter.velocity(x, 0.6, cond, guidance).square().mean().backward())
     assert counter.take() == expected
 
@@ -78,13 +78,13 @@ def test_full_backward_checkpointing_copies_and_pauses():
     x, cond, guidance = batch(adapter)
     transformer = adapter.transformer.requires_grad_(True)
     counter = FlopCounter()
-    counter.attach(transformer)
+    counter.attach(transformer, adapter=adapter)
     step = lambda: adapter.velocity(x, 0.6, cond, guidance).square().mean().backward()  # noqa: E731
     expected = torch_count(step)
     assert counter.take() == expected
     # a frozen deepcopy (a full fine-tune's reference) counts into the same counter, and only its forward
     frozen = copy.deepcopy(transformer).requires_grad_(False)
-    counter.attach(frozen)
+    counter.attach(frozen, adapter=adapter)
     with torch.no_grad():
         forward = torch_count(lambda: adapter.velocity(x, 0.6, cond, guidance, transformer=frozen))
     assert counter.take() == forward and 0 < forward < expected

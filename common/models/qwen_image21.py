@@ -51,6 +51,16 @@ class QwenImage21Adapter(QwenImageEditAdapter):
     # Every linear layer of the single-stream blocks: attention and the SwiGLU feed-forward.
     lora_target_modules = ["to_q", "to_k", "to_v", "to_out.0", "img_mlp.proj", "img_mlp.gate_layer", "img_mlp.out"]
 
+    @staticmethod
+    def attention_pairs(tokens: int, queries: int, keys: int, attention_kwargs: dict) -> int:
+        """The block-causal prefill is computed per segment (one attention call each): each prefix segment of text or
+        a condition image against the keys up to its end, the target's tokens against all."""
+        segments = attention_kwargs.get("segments")
+        if segments is None:
+            return queries * keys
+        prefix = segments[-1][1] if segments else 0
+        return sum((end - start) * end for start, end, _ in segments) + (tokens - prefix) * tokens
+
     def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
                  max_sequence_length: int = 512, load_text_encoders: bool = True, text_only: bool = False,
                  condition_size: int | None = None):
