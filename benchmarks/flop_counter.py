@@ -41,7 +41,7 @@ if __name__ == "__main__":
     for _ in range(5):  # alternate, so that a slower stretch of the machine falls on both
         for counted in (False, True):
             if counted:
-                counter.attach(adapter.transformer)
+                counter.attach(adapter.transformer, adapter=adapter)
             times[counted].append(seconds_per_call(adapter, x, cond, 40))
             counter.detach()
     plain, counted = ([statistics.median(t[i] for t in times[c]) for i in (0, 1)] for c in (False, True))

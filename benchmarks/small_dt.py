@@ -10,7 +10,7 @@ relative to the schedule's largest, for each setting; then a summary against FLU
 adapters' own `sigmas` on the published scheduler configs (FLUX.1-dev's dynamic shift at 512², SD3.5's static 3,
 Wan's UniPC flow schedule at flow_shift 3, 5, 12; HunyuanVideo-1.5's shift 5; LTX-2's token-fitted shift).
 
-Part 2 (autograd): the tiny Wan2.1 (random weights, real classes; common/tiny.py) with a fresh LoRA, rolled out with
+Part 2 (autograd): the tiny Wan2.1 (random weights, real classes; common/models/wan.py), a fresh LoRA, rolled out with
 flow-sde on two real Wan schedules; per step the autograd norm of ∂ log p / ∂v (× elements / ‖z‖: must equal k) and
 of ∂ log p / ∂θ over the LoRA weights, each relative to the schedule's largest step. Part 3: the same on the toy
 video world's Wan model with grpo.py's toy-video preset.
@@ -184,10 +184,10 @@ def print_autograd_table(title: str, rows) -> None:
 
 
 def tiny_wan(flow_shift: float):
-    """The tiny Wan2.1 pipeline (common/tiny.py) with a fresh LoRA and the real checkpoints' scheduler at
+    """The tiny Wan2.1 pipeline (common/models/wan.py) with a fresh LoRA and the real checkpoints' scheduler at
     `flow_shift` (the tiny build keeps shift 3)."""
     from common.models import load_adapter
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
     from common.training import add_lora
 
     adapter = load_adapter("wan", str(tiny_model_path("wan")), "cpu", torch.float32, 32, max_sequence_length=32,

@@ -14,15 +14,13 @@ from typing import Annotated, ClassVar, Literal
 import tyro
 
 from common.data import default_dataset
+from common.models.registry import CONDITIONED_MODELS, DEFAULT_MODEL, MODELS, TWO_EXPERT_MODELS, VIDEO_MODELS
 from common.training import check_updates_per_epoch
 from common.utils import UserError, avoid_cudnn_attention, install_user_error_hook, quiet_libraries
 
-# Kept here, not read off the adapters, so that parsing flags imports no model code (tests check they agree).
-# Every --model name (common.models.ADAPTERS has one adapter per name; tests/test_models.py checks they agree), here
-# so that the scripts, preprocess.py and evaluate.py parse it without importing the adapters.
-ModelName = Literal["flux1", "sd3", "qwen-image", "wan", "flux1-kontext", "qwen-image-edit", "wan-i2v", "flux2",
-                    "flux2-klein", "z-image", "wan2.2", "wan2.2-5b", "qwen-image-2.1", "ltx2", "wan2.2-i2v",
-                    "hunyuan-video-1.5", "hunyuan-video-1.5-i2v", "ltx2-i2v"]
+# Every --model name, from the registry (common/models/registry.py, which imports no model code), so that the scripts,
+# preprocess.py and evaluate.py parse it without importing the adapters.
+ModelName = Literal[tuple(MODELS)]
 # diffusers' attention backends (`diffusers.models.attention_dispatch.AttentionBackendName`; tests check they agree),
 # here so that a misspelt --attention-backend is refused, with the choices, before anything is loaded.
 AttentionBackend = Literal["native", "flash", "flash_varlen", "flash_hub", "flash_varlen_hub", "flash_4_hub",
@@ -31,11 +29,6 @@ AttentionBackend = Literal["native", "flash", "flash_varlen", "flash_hub", "flas
                            "_native_npu", "_native_xla", "sage", "sage_hub", "sage_blackwell_hub", "sage_varlen",
                            "_sage_qk_int8_pv_fp8_cuda", "_sage_qk_int8_pv_fp8_cuda_sm90",
                            "_sage_qk_int8_pv_fp16_cuda", "_sage_qk_int8_pv_fp16_triton", "xformers"]
-VIDEO_MODELS = ("wan", "wan-i2v", "wan2.2", "wan2.2-5b", "ltx2", "wan2.2-i2v", "hunyuan-video-1.5",
-                "hunyuan-video-1.5-i2v", "ltx2-i2v")
-CONDITIONED_MODELS = ("flux1-kontext", "qwen-image-edit", "wan-i2v", "qwen-image-2.1", "wan2.2-i2v",
-                      "hunyuan-video-1.5-i2v", "ltx2-i2v")  # qwen-image-2.1: also text-to-image
-TWO_EXPERT_MODELS = ("wan2.2", "wan2.2-i2v")
 
 NON_FINITE_NOTE = ("A non-finite reward, loss or gradient norm stops the run with one line naming the epoch and the "
                    "quantity, before the optimizer step and before anything of that epoch is written; a checkpoint is "
@@ -65,7 +58,7 @@ class TrainArgs:
     """continue from the newest complete checkpoint in --output-dir"""
 
     # Model
-    model: ModelName = "flux1"
+    model: ModelName = DEFAULT_MODEL
     """model family (flux1-kontext, qwen-image-edit: image editing; wan-i2v, wan2.2-i2v, hunyuan-video-1.5-i2v,
     ltx2-i2v: image-to-video; their datasets give each prompt a condition image)"""
     model_path: str | None = None

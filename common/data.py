@@ -24,7 +24,7 @@ DEFAULT_CONDITIONED_DATASET = str(Path(__file__).resolve().parent.parent / "data
 
 def default_dataset(model: str) -> str:
     """The dataset a run reads when --dataset is unset: data/prompts, or data/toy_edit for conditioned models."""
-    from common.cli import CONDITIONED_MODELS
+    from common.models.registry import CONDITIONED_MODELS
 
     return DEFAULT_CONDITIONED_DATASET if model in CONDITIONED_MODELS else DEFAULT_DATASET
 

@@ -34,7 +34,7 @@ class Reward:
 
 def check_video_rewards(rewards: list[Reward], model: str, makes_video: bool) -> None:
     """A reward that judges whole clips cannot score a model that makes images: one line, before anything runs."""
-    from common.cli import VIDEO_MODELS
+    from common.models.registry import VIDEO_MODELS
 
     for reward in rewards:
         if reward.video and not makes_video:

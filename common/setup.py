@@ -244,7 +244,8 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
               adapter.sigmas(args.num_steps), guidance, output_dir, MetricsLog(output_dir, accelerator), local=local,
               data=data)
     # Every transformer a script runs: the trained one, a frozen reference copy, the shadows' copies.
-    run.flops.attach(unwrapped, reference.copy, *(getattr(s, "module", None) for s in shadow_policies.values()))
+    run.flops.attach(unwrapped, reference.copy, *(getattr(s, "module", None) for s in shadow_policies.values()),
+                     adapter=adapter)
     if accelerator.is_main_process:
         stale = clean_stale_writes(output_dir)
         if stale:

@@ -180,8 +180,8 @@ def _tiny_or(path: str) -> str:
 
 def tiny_clip_path() -> Path:
     """A tiny random CLIP (projection 768, 32×32 images) with its processor and an aesthetic head, saved
-    under the tiny-model cache (built once, atomically; common/tiny.py)."""
-    from common.tiny import tiny_cache_root
+    under the tiny-model cache (built once, atomically, as the tiny pipelines)."""
+    from common.models.tiny_parts import tiny_cache_root
 
     path = tiny_cache_root() / f"tiny-clip-v{TINY_CLIP_VERSION}"
     if (path / AESTHETIC_HEAD_FILE).exists():
@@ -204,7 +204,7 @@ def build_tiny_clip(folder, seed: int = 0, projection_dim: int = 768, image_size
     """Save a random CLIPModel + CLIPProcessor (in-memory tokenizer) and a random aesthetic head in `folder`."""
     from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
 
-    from common.tiny import tiny_clip_tokenizer
+    from common.models.tiny_parts import tiny_clip_tokenizer
 
     tokenizer = tiny_clip_tokenizer()
     torch.manual_seed(seed)

@@ -517,7 +517,7 @@ def tiny_qwen_vl_base(folder: Path, model_class: str, special_tokens: tuple, see
     import transformers
     from transformers import Qwen2VLImageProcessorPil
 
-    from common.tiny import tiny_qwen2_tokenizer
+    from common.models.tiny_parts import tiny_qwen2_tokenizer
 
     tokenizer = tiny_qwen2_tokenizer()
     ids = tokenizer.convert_tokens_to_ids

@@ -47,7 +47,7 @@ def build_tiny_judge(folder, seed: int = 0) -> None:
     0.5) so that the next-token distribution is far from uniform and P(yes) differs between images."""
     from transformers import Qwen2Tokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
-    from common.tiny import _byte_level_bpe
+    from common.models.tiny_parts import _byte_level_bpe
 
     words = ["user", "assistant", *(p + w for p in ("", "Ġ") for w in ("Yes", "No", "yes", "no"))]
     vocab, merges = _byte_level_bpe(words)

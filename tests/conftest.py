@@ -68,7 +68,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_flux_path():
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     return tiny_model_path("flux1")
 
@@ -240,7 +240,7 @@ def assert_tiny_rebuild_equals(model: str, path: Path, cache_root: Path) -> None
     import torch
     from safetensors.torch import load_file
 
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     rebuilt = tiny_model_path(model)
     assert rebuilt.is_relative_to(cache_root)

@@ -232,7 +232,7 @@ def test_a_run_that_builds_the_tiny_model_equals_one_that_finds_it(two_epoch_run
     """Building the tiny model seeds torch's RNG; it must not leak into the run (LoRA init, noise) that built it."""
     run_script("algos/grpo.py", *FAST, "--epochs", "1", "--eval-every", "0", "--output-dir", tmp_path / "built",
                env={"FLOWRL_CACHE": str(tmp_path / "empty-cache")})
-    from common.tiny import TINY_VERSION
+    from common.models.tiny_parts import TINY_VERSION
 
     assert (tmp_path / "empty-cache" / f"tiny-flux1-v{TINY_VERSION}" / "model_index.json").exists()
     built, found = read_metrics(tmp_path / "built")[0], read_metrics(two_epoch_run)[0]

@@ -25,7 +25,7 @@ RESOLUTION, FRAMES, TEXT, GUIDANCE = 32, 5, 32, 6.0  # 5 frames -> 2 latent fram
 
 @pytest.fixture(scope="module")
 def paths():
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     return {model: tiny_model_path(model) for model in MODELS}
 

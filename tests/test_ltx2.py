@@ -29,7 +29,7 @@ PROMPTS = [Prompt("a photo of a red cat", "blurry, low quality"), Prompt("a dog"
 
 @pytest.fixture(scope="module")
 def path():
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     return tiny_model_path("ltx2")
 

@@ -32,7 +32,7 @@ def scene(colour, size, box) -> Image.Image:
 
 @pytest.fixture(scope="module")
 def path():
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     return tiny_model_path("ltx2-i2v")
 

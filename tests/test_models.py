@@ -64,7 +64,7 @@ def test_bad_model_and_resolution(tiny_flux_path):
 def test_tiny_build_is_deterministic(tmp_path, monkeypatch, tiny_flux_path):
     from safetensors.torch import load_file
 
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path))
     rebuilt = tiny_model_path("flux1")
@@ -122,11 +122,24 @@ def test_training_scripts_turn_off_cudnn_attention():
 
 
 def test_every_model_name_has_an_adapter_a_default_path_and_a_tiny_build():
-    """The --model names the scripts, preprocess.py and evaluate.py parse (common.cli.ModelName) are the adapters'."""
+    """The --model names the scripts, preprocess.py and evaluate.py parse (common.cli.ModelName) are the registry's,
+    and each row's adapter, checkpoint, tiny builder and capabilities are what the family's module has."""
+    import sys
     from typing import get_args
 
-    from common.cli import ModelName
-    from common.models import ADAPTERS, DEFAULT_MODEL_PATHS
-    from common.tiny import TINY_BUILDERS
+    from common.cli import CONDITIONED_MODELS, TWO_EXPERT_MODELS, VIDEO_MODELS, ModelName
+    from common.models import ADAPTERS, DEFAULT_MODEL_PATHS, MODELS
+    from common.models.registry import MODELS as ROWS
 
-    assert set(get_args(ModelName)) == set(ADAPTERS) == set(DEFAULT_MODEL_PATHS) == set(TINY_BUILDERS)
+    assert get_args(ModelName) == tuple(ROWS) == MODELS == tuple(ADAPTERS) == tuple(DEFAULT_MODEL_PATHS)
+    for model, row in ROWS.items():
+        adapter = ADAPTERS[model]
+        assert adapter.__module__ == f"common.models.{row.family}" and adapter.__name__ == row.adapter, model
+        assert callable(getattr(sys.modules[adapter.__module__], row.tiny)), model
+        assert DEFAULT_MODEL_PATHS[model] == row.checkpoint
+        assert (row.video, row.audio, row.two_experts, row.conditioned) == \
+            (adapter.video, adapter.audio, getattr(adapter, "two_experts", False), adapter.condition_images[1] != 0), \
+            model
+        assert (model in VIDEO_MODELS, model in TWO_EXPERT_MODELS, model in CONDITIONED_MODELS) == \
+            (row.video, row.two_experts, row.conditioned)
+    assert "wan2.2" in TWO_EXPERT_MODELS and "ltx2" in VIDEO_MODELS and "flux1-kontext" in CONDITIONED_MODELS

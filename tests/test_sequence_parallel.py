@@ -23,7 +23,7 @@ SKIP = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflo
 def test_split_step_equals_the_unsplit_one(tmp_path, model):
     """Wan splits its video tokens only (cross-attention keys, the text, stay whole); FLUX.1 splits the joint
     sequence of text and image tokens, so both of diffusers' plan shapes are covered."""
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     tiny_model_path(model)  # built here once, not by both processes at the same time
     out = tmp_path / "report.json"
@@ -79,7 +79,7 @@ def test_a_head_count_the_degree_does_not_divide_is_refused():
     from diffusers import WanTransformer3DModel
 
     from common.parallel import enable_sequence_parallel
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
     from common.utils import UserError
 
     transformer = WanTransformer3DModel.from_pretrained(tiny_model_path("wan") / "transformer")
@@ -95,7 +95,7 @@ def test_a_sequence_length_the_degree_does_not_divide_is_refused():
     from diffusers import FluxTransformer2DModel
 
     from common.parallel import _add_split_checks
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
     from common.utils import UserError
 
     transformer = FluxTransformer2DModel.from_pretrained(tiny_model_path("flux1") / "transformer")

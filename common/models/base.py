@@ -248,6 +248,13 @@ class _Adapter:
         return True
 
     @staticmethod
+    def attention_pairs(tokens: int, queries: int, keys: int, attention_kwargs: dict) -> int:
+        """The query-key pairs one attention call of the transformer computes, for the FLOP count (common/flops.py):
+        `tokens` the input's, `queries` and `keys` as the count reads them off the call, whose keyword arguments are
+        `attention_kwargs`. Every query against every key; a model whose attention computes fewer says so here."""
+        return queries * keys
+
+    @staticmethod
     def _cfg_combine(out: torch.Tensor, guidance_scale: float) -> torch.Tensor:
         """True CFG on a [negative; positive] batch, as the pipelines combine it: v_neg + w·(v_pos − v_neg)."""
         uncond, text = out.chunk(2)
