@@ -49,8 +49,8 @@ def tiny_model_path(model: str) -> Path:
 
 
 def resolve_model_path(model: str, model_path: str | None) -> str:
-    """`tiny` -> the locally built tiny pipeline; `toy` -> the shipped toy-world pipeline (FLUX.1 only); None ->
-    the model's published checkpoint."""
+    """`tiny` -> the locally built tiny pipeline; `toy` -> the shipped toy world's pipeline (the registry's `toy`
+    column: FLUX.1, FLUX.1 Kontext, Wan); None -> the model's published checkpoint."""
     if model_path == "tiny":
         return str(tiny_model_path(model))
     if model_path == "toy":  # a toy world's pretrained pipeline (the registry's `toy`); a UserError for other models

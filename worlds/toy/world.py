@@ -181,16 +181,11 @@ def render_batch(prompts: list[str], rng: np.random.Generator, resolution: int =
 
 
 def toy_model_path(model: str = "flux1") -> Path:
-    """The shipped pretrained toy pipelines (`--model-path toy`): FLUX.1 (the toy world, data/toy/model/),
-    FLUX.1 Kontext (the toy edit world, data/toy_edit/model/) and Wan (the toy video world, data/toy_video/model/)."""
-    paths = {"flux1": TOY_DIR / "model", "flux1-kontext": REPO / "data" / "toy_edit" / "model",
-             "wan": REPO / "data" / "toy_video" / "model"}
-    if model not in paths:
-        from common.utils import UserError
+    """The shipped pretrained toy pipeline of `model` (`--model-path toy`: the registry's `toy` column): FLUX.1 (the
+    toy world, data/toy/model/), FLUX.1 Kontext (the toy edit world) and Wan (the toy video world)."""
+    from common.models import resolve_model_path
 
-        raise UserError(f"--model-path toy is a FLUX.1 pipeline (--model flux1), a FLUX.1 Kontext one "
-                        f"(--model flux1-kontext) or a Wan one (--model wan), not {model}")
-    return paths[model]
+    return Path(resolve_model_path(model, "toy"))
 
 
 # ----- the pipeline ----------------------------------------------------------------------------------------
@@ -226,7 +221,7 @@ def toy_clip_tokenizer():
     """A CLIP BPE tokenizer in which each toy word is one token (other text falls back to characters)."""
     from transformers import CLIPTokenizer
 
-    from common.tiny import _characters
+    from common.models.tiny_parts import _characters
 
     merges = _toy_bpe_merges(sorted(toy_words()))
     pieces = ["<|startoftext|>", "<|endoftext|>"] + _characters() + [c + "</w>" for c in _characters()]
@@ -240,7 +235,7 @@ def toy_t5_tokenizer(words=None):
     whole words score higher than their spelling in characters, which remain as a fallback for other text."""
     from transformers import T5Tokenizer
 
-    from common.tiny import _characters
+    from common.models.tiny_parts import _characters
 
     vocab = {"<pad>": 0.0, "</s>": 0.0, "<unk>": 0.0, "▁": -2.0}
     vocab.update({"▁" + word: -1.0 for word in sorted(toy_words() if words is None else words)})
