@@ -101,7 +101,7 @@ def test_cited_names_exist_in_the_sections_script_or_in_common():
 
 def test_readme_and_docs_link_only_to_files_that_exist():
     broken = []
-    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
             if re.match(r"[a-z]+://", target):
                 continue
