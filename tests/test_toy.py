@@ -136,7 +136,7 @@ def test_shipped_model_held_out_score(toy_adapter):
 
 
 def test_pretrain_continue_from_trains_only_the_transformer_of_a_shipped_pipeline(tmp_path):
-    """worlds/toy/pretrain.py --continue-from (supervised fine-tuning, docs/toy-world.md "The ceiling"): the VAE and
+    """worlds/toy/pretrain.py --continue-from (supervised fine-tuning, docs/results/toy-world.md "The ceiling"): the VAE and
     text encoders are kept byte for byte, the transformer is trained further, and the result loads as a pipeline."""
     from diffusers import FluxPipeline
 
