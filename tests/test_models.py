@@ -1,5 +1,7 @@
 """The FLUX.1 adapter on the tiny pipeline: parity with diffusers, the ratio invariant, bad input."""
 
+import shutil
+
 import pytest
 import torch
 from diffusers import FluxPipeline
@@ -7,7 +9,7 @@ from diffusers import FluxPipeline
 from common.dynamics import sde_step
 from common.models import load_adapter
 from common.sampling import sample_generators
-from conftest import ode_sample, sde_trajectory
+from conftest import ACCELERATE_2CPU, SLOW, ode_sample, run_script, sde_trajectory
 from common.utils import UserError
 
 
@@ -143,3 +145,46 @@ def test_every_model_name_has_an_adapter_a_default_path_and_a_tiny_build():
         assert (model in VIDEO_MODELS, model in TWO_EXPERT_MODELS, model in CONDITIONED_MODELS) == \
             (row.video, row.two_experts, row.conditioned)
     assert "wan2.2" in TWO_EXPERT_MODELS and "ltx2" in VIDEO_MODELS and "flux1-kontext" in CONDITIONED_MODELS
+
+
+def test_an_incomplete_tiny_pipeline_in_the_cache_is_rebuilt(tmp_path, monkeypatch):
+    """What two ranks building at once used to leave (an empty text_encoder/): never reused, rebuilt whole."""
+    from common.models import _complete_pipeline, tiny_model_path
+    from common.models.tiny_parts import TINY_VERSION
+
+    monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path))
+    broken = tmp_path / f"tiny-flux1-v{TINY_VERSION}"
+    shutil.copytree(_fresh_tiny(tmp_path / "other", "flux1"), broken)
+    shutil.rmtree(broken / "text_encoder")
+    (broken / "text_encoder").mkdir()
+    assert not _complete_pipeline(broken)
+    assert tiny_model_path("flux1") == broken and _complete_pipeline(broken)
+    assert (broken / "text_encoder" / "model.safetensors").is_file()
+
+
+def _fresh_tiny(cache, model):
+    import os
+
+    from common.models import tiny_model_path
+
+    previous = os.environ["FLOWRL_CACHE"]
+    os.environ["FLOWRL_CACHE"] = str(cache)
+    try:
+        return tiny_model_path(model)
+    finally:
+        os.environ["FLOWRL_CACHE"] = previous
+
+
+@SLOW
+def test_two_ranks_build_a_tiny_pipeline_once_and_whole(tmp_path):
+    """Both ranks of a launch ask for the tiny Qwen-Image in an empty cache: the folder they leave holds every
+    component (transformers saves only on rank 0 under torch.distributed; a rank-1 build lacked the text encoder)."""
+    from common.models import _complete_pipeline
+    from common.models.tiny_parts import TINY_VERSION
+
+    result = run_script("tests/tiny_build_launch.py", "qwen-image", launcher=ACCELERATE_2CPU,
+                        env={"FLOWRL_CACHE": str(tmp_path)})
+    assert result.stdout.count(f"tiny-qwen-image-v{TINY_VERSION}") == 2
+    built = tmp_path / f"tiny-qwen-image-v{TINY_VERSION}"
+    assert _complete_pipeline(built) and any((built / "text_encoder").glob("*.safetensors"))
+    assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no temporary folder left beside it

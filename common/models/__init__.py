@@ -26,10 +26,40 @@ MODELS = tuple(_ROWS)
 
 
 def tiny_model_path(model: str) -> Path:
-    """Path of the saved tiny pipeline for `model`, building it first if needed (safe under several processes)."""
+    """Path of the saved tiny pipeline for `model`, building it first if needed. Under torch.distributed only rank 0
+    builds it and the others wait: transformers' `save_pretrained` writes nothing on the other ranks, so a folder
+    they built would lack its text encoders. A folder is published (renamed into place) only once every component
+    that model_index.json names holds its files; an incomplete one left by an older version is rebuilt."""
     path = tiny_cache_root() / f"tiny-{model}-v{TINY_VERSION}"
-    if (path / "model_index.json").exists():
+    if _complete_pipeline(path):
         return path
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not distributed or torch.distributed.get_rank() == 0:
+        _build_tiny(model, path)
+    if distributed:
+        torch.distributed.barrier()
+        if not _complete_pipeline(path):
+            raise UserError(f"the tiny {model} pipeline that rank 0 built is not in {path} on this machine: put "
+                            f"$FLOWRL_CACHE on a disk every machine shares, or build it there first "
+                            f"(python -c \"from common.models import tiny_model_path; tiny_model_path('{model}')\")")
+    return path
+
+
+def _complete_pipeline(path: Path) -> bool:
+    """Whether `path` holds a saved pipeline: model_index.json, and files in every component folder it names."""
+    import json
+
+    try:
+        index = json.loads((path / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return False
+    components = [name for name, value in index.items()
+                  if not name.startswith("_") and isinstance(value, list) and value[0] is not None]
+    return all(any(p.is_file() for p in (path / name).glob("*")) for name in components)
+
+
+def _build_tiny(model: str, path: Path) -> None:
+    """Build the tiny pipeline in a temporary folder beside `path`, check it, and rename it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
@@ -38,14 +68,17 @@ def tiny_model_path(model: str) -> Path:
         with torch.random.fork_rng(devices=[]):
             row = _ROWS[model]
             getattr(importlib.import_module(f"common.models.{row.family}"), row.tiny)(tmp)
+        if not _complete_pipeline(tmp):
+            raise RuntimeError(f"the tiny {model} pipeline built in {tmp} is incomplete")
+        if path.exists():  # an incomplete folder from an earlier build: replace it
+            shutil.rmtree(path, ignore_errors=True)
         try:
             os.rename(tmp, path)  # atomic; fails if another process won the race
         except OSError:
-            if not (path / "model_index.json").exists():
+            if not _complete_pipeline(path):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return path
 
 
 def resolve_model_path(model: str, model_path: str | None) -> str:
