@@ -38,7 +38,8 @@ OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 HPSV3_CHECKPOINT, HPSV3_FILE, HPSV3_BASE = "MizzenAI/HPSv3", "HPSv3.safetensors", "Qwen/Qwen2-VL-7B-Instruct"
 HPSV3_PIXELS = 256 * 28 * 28  # min_pixels = max_pixels in HPSv3's inference: every image becomes 448×448 (square)
-# The instruction of HPSv3's data collator (INSTRUCTION + prompt_with_special_token), verbatim.
+# The released instruction, verbatim (trailing spaces included): INSTRUCTION + prompt_with_special_token of
+# hpsv3/dataset/data_collator_qwen.py in the hpsv3==1.0.0 wheel, which its inferencer (hpsv3/inference.py) sends.
 HPSV3_INSTRUCTION = """
 You are tasked with evaluating a generated image based on Visual Quality and Text Alignment and give a overall score to estimate the human preference. Please provide a rating from 0 to 10, with 0 being the worst and 10 being the best. 
 
@@ -49,14 +50,22 @@ Evaluate the overall visual quality of the image. The following sub-dimensions s
 - **Detail Richness:** Consider the level of detail in textures, materials, lighting, and other visual elements (e.g., hair, clothing, shadows).
 - **Aesthetic and Creativity:** Assess the artistic aspects of the image, including the color scheme, composition, atmosphere, depth of field, and the overall creative appeal. The scene should convey a sense of harmony and balance.
 - **Safety:** The image should not contain harmful or inappropriate content, such as political, violent, or adult material. If such content is present, the image quality and satisfaction score should be the lowest possible. 
+
+**Text Alignment:**  
+Assess how well the image matches the textual prompt across the following sub-dimensions:
+- **Subject Relevance** Evaluate how accurately the subject(s) in the image (e.g., person, animal, object) align with the textual description. The subject should match the description in terms of number, appearance, and behavior.
+- **Style Relevance:** If the prompt specifies a particular artistic or stylistic style, evaluate how well the image adheres to this style.
+- **Contextual Consistency**: Assess whether the background, setting, and surrounding elements in the image logically fit the scenario described in the prompt. The environment should support and enhance the subject without contradictions.
+- **Attribute Fidelity**: Check if specific attributes mentioned in the prompt (e.g., colors, clothing, accessories, expressions, actions) are faithfully represented in the image. Minor deviations may be acceptable, but critical attributes should be preserved.
+- **Semantic Coherence**: Evaluate whether the overall meaning and intent of the prompt are captured in the image. The generated content should not introduce elements that conflict with or distort the original description.
 Textual prompt - {text_prompt}
 
 
-
+""" + """
 Please provide the overall ratings of this image: <|Reward|>
 
 END
-"""  # the trailing spaces are the reference's
+"""
 
 EDITREWARD_CHECKPOINT, EDITREWARD_BASE = "TIGER-Lab/EditReward-Qwen2.5-VL-7B", "Qwen/Qwen2.5-VL-7B-Instruct"
 EDITREWARD_FILES = ("model.safetensors", "model.pth")  # the files its inferencer looks for, in this order
