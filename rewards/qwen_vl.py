@@ -1,8 +1,9 @@
 """Reward models on a Qwen-VL backbone: a reward head read at special tokens of a chat prompt.
 
 - HPSv3 (Ma et al., arXiv:2508.03789; PyPI `hpsv3`): Qwen2-VL-7B-Instruct fine-tuned on human preferences. The
-  image (resized to exactly 256·28·28 pixels) and an instruction naming the prompt go in one user turn ending in the
-  added token `<|Reward|>`; its last hidden state through an MLP H→1024→16→2 gives (μ, σ) and μ is the score.
+  image (resized to about 256·28·28 pixels, sides multiples of 28) and an instruction naming the prompt go in one user
+  turn ending in the added token `<|Reward|>`; its last hidden state, computed with positions 0..L-1 (no 2-D image
+  positions, as transformers 4.45.2 ran it), through an MLP H→1024→16→2 gives (μ, σ) and μ is the score.
 - EditReward (TIGER-Lab, arXiv:2509.26346): Qwen2.5-VL-7B-Instruct judging an edit: the source image, the edited
   image and the instruction in one user turn ending in `<|Reward|>`. Two MLP heads, each on its own prompt
   (instruction following, visual quality), each giving (μ, log σ); the score is the mean of their μ.
@@ -37,7 +38,8 @@ OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 HPSV3_CHECKPOINT, HPSV3_FILE, HPSV3_BASE = "MizzenAI/HPSv3", "HPSv3.safetensors", "Qwen/Qwen2-VL-7B-Instruct"
-HPSV3_PIXELS = 256 * 28 * 28  # min_pixels = max_pixels in HPSv3's inference: every image becomes 448×448 (square)
+HPSV3_PIXELS = 256 * 28 * 28  # min_pixels = max_pixels in HPSv3's inferencer: sides multiples of 28 near that area
+# (qwen-vl-utils' smart_resize; 448×448 for a square image, 392×560 for 32×48)
 # The released instruction, verbatim (trailing spaces included): INSTRUCTION + prompt_with_special_token of
 # hpsv3/dataset/data_collator_qwen.py in the hpsv3==1.0.0 wheel, which its inferencer (hpsv3/inference.py) sends.
 HPSV3_INSTRUCTION = """
@@ -282,6 +284,7 @@ class QwenVLReward:
     model_class = "Qwen2VLModel"
     special_tokens: tuple = ("<|Reward|>",)
     pixels = HPSV3_PIXELS  # min_pixels = max_pixels of each image (or frame)
+    sequential_positions = False  # True: positions 0..L-1 in all three M-RoPE sections instead of the 3-D ones
 
     def __init__(self, source: str, read_state, base: str, device, dtype, batch_size):
         self.device = torch.device(device if device is not None else "cpu")
@@ -320,8 +323,12 @@ class QwenVLReward:
         vision = {k: v.to(self.device, self.dtype if v.is_floating_point() else v.dtype) for k, v in (
             ("pixel_values", pixel_values), ("image_grid_thw", image_grid_thw),
             ("pixel_values_videos", pixel_values_videos), ("video_grid_thw", video_grid_thw)) if v is not None}
+        # None: the model's own M-RoPE positions (3-D over the vision tokens); else 0..L-1 in all three sections.
+        position_ids = torch.arange(length).expand(len(tokens), length).to(self.device) \
+            if self.sequential_positions else None
         hidden = self.backbone(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                               mm_token_type_ids=mm_token_type_ids.to(self.device), **vision).last_hidden_state
+                               mm_token_type_ids=mm_token_type_ids.to(self.device), position_ids=position_ids,
+                               **vision).last_hidden_state
         rows = []
         for i, ids in enumerate(input_ids.tolist()):
             positions = []
@@ -338,6 +345,11 @@ class QwenVLReward:
 class HPSv3(QwenVLReward):
     """`--reward hpsv3`: HPSv3's μ. `path`: checkpoint (hub id, folder or file); `base`: the Qwen2-VL it was trained
     from (config, tokenizer, image processor)."""
+
+    # hpsv3's Qwen2VLRewardModelBT.forward (model/qwen2vl_trainer.py) calls the language model with position_ids=None,
+    # which transformers 4.45.2 (the package's pin) fills with 0..L-1 for all three M-RoPE sections: the model was
+    # trained and is served without the image's 2-D positions (4.45.2 computes those only when generating).
+    sequential_positions = True
 
     def __init__(self, device=None, dtype=torch.float32, path=HPSV3_CHECKPOINT, base=HPSV3_BASE, batch_size="8"):
         super().__init__(str(checkpoint_file(path, (HPSV3_FILE,))), read_file_state, base, device, dtype, batch_size)
