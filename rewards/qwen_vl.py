@@ -577,16 +577,18 @@ def _ranknet_state(prefix: str, sizes: list) -> dict:
     return state
 
 
-def save_tiny_qwen_vl(folder: Path, model_class: str, special_tokens: tuple, heads: tuple, seed: int = 0) -> Path:
+def save_tiny_qwen_vl(folder: Path, model_class: str, special_tokens: tuple, heads: tuple, seed: int = 0,
+                      head_widths: tuple = (16, 8)) -> Path:
     """A tiny random HPSv3 / EditReward-style checkpoint: `folder/base` (tiny_qwen_vl_base) and
     `folder/model.safetensors`, the fine-tuned model's whole state dict (ForConditionalGeneration names) with a random
-    ranknet head 32→16→8→2 under each prefix of `heads` (e.g. ("rm_head.",)). Returns the checkpoint file."""
+    ranknet head 32→`head_widths`→2 under each prefix of `heads` (e.g. ("rm_head.",)). Returns the checkpoint file."""
     from safetensors.torch import save_file
 
     full = tiny_qwen_vl_base(folder, model_class, special_tokens, seed)
     state = {key: value.contiguous().clone() for key, value in full.state_dict().items()}
     for prefix in heads:
-        state.update(_ranknet_state(prefix, [(32, 16), (16, 8), (8, 2)]))
+        widths = (32, *head_widths, 2)
+        state.update(_ranknet_state(prefix, list(zip(widths[:-1], widths[1:]))))
     checkpoint = Path(folder) / "model.safetensors"
     save_file(state, checkpoint)
     return checkpoint
