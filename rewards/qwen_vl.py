@@ -22,6 +22,7 @@ sources: docs/rewards.md.
 """
 
 import functools
+import itertools
 import json
 import math
 from pathlib import Path
@@ -587,8 +588,7 @@ def save_tiny_qwen_vl(folder: Path, model_class: str, special_tokens: tuple, hea
     full = tiny_qwen_vl_base(folder, model_class, special_tokens, seed)
     state = {key: value.contiguous().clone() for key, value in full.state_dict().items()}
     for prefix in heads:
-        widths = (32, *head_widths, 2)
-        state.update(_ranknet_state(prefix, list(zip(widths[:-1], widths[1:]))))
+        state.update(_ranknet_state(prefix, list(itertools.pairwise((32, *head_widths, 2)))))
     checkpoint = Path(folder) / "model.safetensors"
     save_file(state, checkpoint)
     return checkpoint

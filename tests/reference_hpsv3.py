@@ -27,8 +27,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import hpsv3
 import torch
 import yaml
+from hpsv3.dataset.data_collator_qwen import INSTRUCTION, prompt_with_special_token
+from hpsv3.inference import HPSv3RewardInferencer
 from transformers import (
     AutoTokenizer,
     Qwen2VLConfig,
@@ -36,10 +39,6 @@ from transformers import (
     Qwen2VLImageProcessor,
     Qwen2VLProcessor,
 )
-
-import hpsv3
-from hpsv3.dataset.data_collator_qwen import INSTRUCTION, prompt_with_special_token
-from hpsv3.inference import HPSv3RewardInferencer
 
 # Qwen/Qwen2-VL-7B-Instruct's chat_template.json, verbatim: the default system turn when the first message is not one.
 QWEN2_VL_CHAT_TEMPLATE = (

@@ -31,7 +31,7 @@ Assess how well the image matches the textual prompt across the following sub-di
 - **Attribute Fidelity**: Check if specific attributes mentioned in the prompt (e.g., colors, clothing, accessories, expressions, actions) are faithfully represented in the image. Minor deviations may be acceptable, but critical attributes should be preserved.
 - **Semantic Coherence**: Evaluate whether the overall meaning and intent of the prompt are captured in the image. The generated content should not introduce elements that conflict with or distort the original description.
 Textual prompt - {text_prompt}
-"""  # noqa: W291 (the released text's trailing spaces)
+"""  # the trailing spaces are the released text's
 RELEASED_SHA256 = "f6ee57479d4e9eee76b49c00dc962e1e696a5a2b3cc32cebd9b1fa76fe27502c"
 
 
@@ -95,8 +95,8 @@ def test_hpsv3_equals_the_hpsv3_package(tmp_path):
     (tmp_path / "inputs.json").write_text(json.dumps({"images": paths, "prompts": prompts}))
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
     result = subprocess.run([str(REFERENCE_PYTHON), str(REPO / "tests" / "reference_hpsv3.py"), str(checkpoint),
-                             str(base), str(tmp_path / "inputs.json")], capture_output=True, text=True, timeout=600,
-                            cwd=tmp_path, env={**env, "HF_HUB_OFFLINE": "1"})
+                             str(base), str(tmp_path / "inputs.json")], check=False, capture_output=True, text=True,
+                            timeout=600, cwd=tmp_path, env={**env, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-4000:]
     reference = json.loads(result.stdout.strip().splitlines()[-1])
     assert reference["instruction"] == HPSV3_INSTRUCTION
