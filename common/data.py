@@ -58,6 +58,12 @@ class Prompt:
         return (self.negative_prompt if negative else self.prompt) + self._images_part
 
 
+def prompts_digest(records: list[Prompt]) -> str:
+    """sha256 of the records in order (texts, condition images and tasks, through their keys), which a checkpoint
+    records for its training prompts: a resume then sees an edited dataset, not only a moved one."""
+    return hashlib.sha256(b"".join(record.key.to_bytes(8, "little") for record in records)).hexdigest()
+
+
 def load_images(paths) -> list:
     """The condition images at `paths` as RGB PIL images."""
     from PIL import Image
