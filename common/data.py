@@ -139,7 +139,7 @@ def _condition_images(item: dict, folder: Path, where: str,
     return tuple(paths), tuple(digests)
 
 
-def _lines(path: Path) -> list[str]:
+def text_lines(path: Path) -> list[str]:
     """The file's lines, without a UTF-8 byte-order mark (editors on Windows write one; it would stay in the first
     prompt, or break the first JSON line); a byte sequence that is not UTF-8 is reported with its file and line."""
     lines = path.read_bytes().removeprefix(b"\xef\xbb\xbf").split(b"\n")
@@ -164,7 +164,7 @@ def load_prompts(dataset: str | Path, split: str) -> list[Prompt]:
         raise UserError(f"dataset folder {str(folder)!r} has both {split}.jsonl and {split}.txt: keep one")
     records, decoded = [], set()
     if jsonl.exists():
-        for number, line in enumerate(_lines(jsonl), start=1):
+        for number, line in enumerate(text_lines(jsonl), start=1):
             if not line.strip():
                 continue
             try:
@@ -184,7 +184,7 @@ def load_prompts(dataset: str | Path, split: str) -> list[Prompt]:
         source = jsonl
     elif txt.exists():
         records = [Prompt(line.strip(), source=f"{txt}:{number}")
-                   for number, line in enumerate(_lines(txt), start=1) if line.strip()]
+                   for number, line in enumerate(text_lines(txt), start=1) if line.strip()]
         source = txt
     else:
         raise UserError(f"dataset folder {str(folder)!r} has neither {split}.jsonl nor {split}.txt")
