@@ -125,6 +125,21 @@ def test_resume_refuses_flags_that_change_the_run(run_copy, flags, needles):
     assert snapshot(run_copy) == before
 
 
+def test_every_flag_that_may_change_on_resume_is_a_flag_of_some_script():
+    """A misspelt name in RESUMABLE_FLAGS would let nothing change and refuse nothing more: each names a flag."""
+    import dataclasses
+    import importlib.util
+
+    from common.cli import RESUMABLE_FLAGS, TrainArgs
+
+    names = {spec.name for spec in dataclasses.fields(TrainArgs)}
+    for script in sorted((REPO / "algos").glob("*.py")):
+        module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(script.stem, script))
+        module.__spec__.loader.exec_module(module)
+        names |= {spec.name for spec in dataclasses.fields(module.Args)}
+    assert set(RESUMABLE_FLAGS) <= names, set(RESUMABLE_FLAGS) - names
+
+
 def test_resume_refuses_other_training_prompts_and_names_every_other_changed_flag(run_copy, tmp_path):
     """The training prompts are compared by content: an edited dataset is refused, the same prompts in another
     folder resume (with a note, as for every other flag that may change)."""
