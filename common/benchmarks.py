@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import gather_object
 
-from common.data import Prompt
+from common.data import Prompt, text_lines
 from common.sampling import sample, sample_generators
 from common.tracking import save_image_grid
 from common.utils import UserError, write_text_atomic
@@ -35,7 +35,7 @@ def load_geneval2(path: Path) -> list[BenchmarkPrompt]:
     if not path.is_file():
         raise UserError(f"--benchmark-prompts {str(path)!r} is not a file")
     records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(text_lines(path), start=1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
@@ -55,9 +55,9 @@ def load_geneval2(path: Path) -> list[BenchmarkPrompt]:
         if not (isinstance(item.get("atoms"), list) and item["atoms"]
                 and all(isinstance(a, str) and a.strip() for a in item["atoms"])):
             problems.append("\"atoms\" (a non-empty list of yes/no questions)")
-        if not (isinstance(seeds, list) and seeds and all(type(x) is int and x >= 0 for x in seeds)
-                and len(set(seeds)) == len(seeds)):
-            problems.append("\"seed\" or \"seeds\" (distinct non-negative integers)")
+        if not (isinstance(seeds, list) and seeds and all(type(x) is int and 0 <= x < 2**63 for x in seeds)
+                and len(set(seeds)) == len(seeds)):  # int64, as every seed of the package
+            problems.append("\"seed\" or \"seeds\" (distinct integers from 0 to 2^63 - 1)")
         if problems:
             raise UserError(f"{where}: needs {', '.join(problems)}")
         records.append(BenchmarkPrompt(item["prompt"], item["category"].strip(), tuple(item["atoms"]), tuple(seeds),

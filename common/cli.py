@@ -4,6 +4,7 @@ presets, and the checks that turn bad values into one-line errors before anythin
 import contextlib
 import dataclasses
 import io
+import json
 import math
 import os
 import sys
@@ -312,8 +313,38 @@ def check_args(args) -> None:
                         f"not to {args.model}")
 
 
+# The flags a --resume may change, each named in one printed line (docs/running.md#outputs-checkpoints-resume): how
+# long the run goes on, the optimizer's step size and clipping, evaluation, checkpoints, logging, and how the same
+# computation is laid out on the hardware (micro-batches, memory switches, kernels, precision, sequence parallelism,
+# the embedding cache), which moves the results by rounding at most. Every other flag, each script's own included,
+# changes what is sampled or what is optimised, and a resume that changes one is refused; a flag added later is
+# refused until it is listed here.
+RESUMABLE_FLAGS = ("exp_name", "preset", "track", "wandb_project", "dtype", "cache_dir", "cache", "attention_backend",
+                   "epochs", "batch_size", "learning_rate", "lr_schedule", "lr_warmup_steps", "weight_decay",
+                   "max_grad_norm", "ema", "ema_decay", "gradient_checkpointing", "reward_device", "reward_workers",
+                   "sequence_parallel", "peak_tflops", "eval_every", "eval_num_prompts", "eval_seeds",
+                   "eval_num_steps", "save_every", "keep_checkpoints", "offload_trajectories")
+_WHERE = ("output_dir", "resume")  # where the run is, and that it goes on: never compared
+
+
+def _flag_values(args) -> dict:
+    """Every flag of `args` as the JSON value a checkpoint's meta.json records."""
+    return json.loads(json.dumps(vars(args), default=str))
+
+
 def run_defining_flags(args) -> dict:
-    """The flags that define what a run is (the algorithm is the script's name): a --resume that changes one of
-    them is refused; the others (learning rate, epochs, evaluation, ...) may change between sessions."""
-    names = ["seed", "model", "prompts_per_epoch", "group_size", "full_finetune", "lora_rank", "lora_alpha"]
-    return {"algorithm": Path(sys.argv[0]).stem, **{name: getattr(args, name) for name in names}}
+    """The flags that define what a run is: the algorithm (the script's name) and every flag but RESUMABLE_FLAGS."""
+    return {"algorithm": Path(sys.argv[0]).stem,
+            **{k: v for k, v in _flag_values(args).items() if k not in RESUMABLE_FLAGS + _WHERE}}
+
+
+def changed_on_resume(args, saved: dict, also_resumable: tuple[str, ...] = ()) -> tuple[list, list]:
+    """The flags whose values differ from `saved` (those the resumed checkpoint was written with; a flag it does not
+    record is not compared), as (flag, value now, saved value): (the run-defining ones, the others, RESUMABLE_FLAGS
+    and `also_resumable`)."""
+    defining, others = [], []
+    for name, value in _flag_values(args).items():
+        if name not in _WHERE and name in saved and saved[name] != value:
+            change = (f"--{name.replace('_', '-')}", value, saved[name])
+            (others if name in RESUMABLE_FLAGS + also_resumable else defining).append(change)
+    return defining, others

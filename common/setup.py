@@ -19,9 +19,9 @@ from accelerate.utils import broadcast_object_list
 from common.cache import PromptEncoder, cache_texts, condition_inputs, find_cache
 from common.checkpoint import (LORA_FILE, clean_stale_writes, load_full_state_into, load_lora_state_into,
                                newest_complete_checkpoint, restore_rng, save_checkpoint)
-from common.cli import run_defining_flags
+from common.cli import changed_on_resume, run_defining_flags
 from common.cluster import LOCK_FILE, exit_stopped, lock_output_dir, requested_stop, stop_after_epoch_on_signals
-from common.data import check_conditions, load_prompts, shard
+from common.data import check_conditions, load_prompts, prompts_digest, shard
 from common.distributed import (configure_backend, load_optimizer_state_dict, lora_state_dict, optimizer_state_dict,
                                 place_like, save_pretrained, staging_device, trainable)
 from common.evaluation import evaluate_prompts
@@ -121,10 +121,11 @@ def _checkpoint_written(output_dir: Path) -> bool:
     return (root / "latest").exists() or any(root.glob("epoch_*")) or any(root.glob(".epoch_*.old"))
 
 
-def _find_resume(args, output_dir: Path, rank: int):
+def _find_resume(args, output_dir: Path, rank: int, train_prompts: list):
     """(the checkpoint to resume from or None, the newer checkpoints skipped, whether a run stopped before its
-    first checkpoint is to be started again from scratch), or a one-line refusal. A folder where a checkpoint was
-    ever written is never restarted from scratch."""
+    first checkpoint is to be started again from scratch, a note for each flag that changed and may), or a one-line
+    refusal: of a folder where a checkpoint was ever written to be restarted from scratch, and of a change to a flag
+    that defines the run (common.cli.RESUMABLE_FLAGS lists those that may change) or to its training prompts."""
     metrics = output_dir / "metrics.jsonl"
     written = _checkpoint_written(output_dir)
     restart = not written and metrics.exists() and metrics.stat().st_size > 0
@@ -132,21 +133,34 @@ def _find_resume(args, output_dir: Path, rank: int):
         if written:
             raise UserError(f"{output_dir} already holds a run: pass --resume to continue it or choose another "
                             f"--output-dir")
-        return None, [], restart
+        return None, [], restart, []
     checkpoint, skipped = newest_complete_checkpoint(output_dir, args.full_finetune, rank)
     if checkpoint is None:
         if written:
             why = "; ".join(skipped) if skipped else "none is left"
             raise UserError(f"--resume: {output_dir} holds a run but no complete checkpoint ({why}); refusing to "
                             f"start it again from scratch: move it away or choose another --output-dir")
-        return None, skipped, restart
-    saved = checkpoint.meta.get("run", {})
-    for name, value in run_defining_flags(args).items():
-        if name in saved and saved[name] != value:
-            flag = "the script" if name == "algorithm" else f"--{name.replace('_', '-')}"
-            raise UserError(f"--resume: {flag} is {value!r} but the run in {output_dir} was started with "
-                            f"{saved[name]!r}; it defines the run, so it cannot change on resume")
-    return checkpoint, skipped, False
+        return None, skipped, restart, []
+    meta = checkpoint.meta
+    algorithm = run_defining_flags(args)["algorithm"]
+    if meta.get("run", {}).get("algorithm", algorithm) != algorithm:
+        raise UserError(f"--resume: the script is {algorithm!r} but the run in {output_dir} was started with "
+                        f"{meta['run']['algorithm']!r}; it defines the run, so it cannot change on resume")
+    # `args`: every flag of the start that wrote the checkpoint; `run`: the few recorded before it (older ones).
+    saved = {**meta.get("run", {}), **meta.get("args", {})}
+    by_content = "prompts_sha256" in meta  # then the training prompts are compared, wherever their folder is now
+    defining, others = changed_on_resume(args, saved, also_resumable=("dataset",) if by_content else ())
+    refused = [f"{flag} is {now!r} but the run in {output_dir} was started with {then!r}"
+               for flag, now, then in defining]
+    if by_content and meta["prompts_sha256"] != prompts_digest(train_prompts):
+        refused.append(f"the training prompts of {args.dataset} are not those of the run in {output_dir}")
+    if refused:
+        raise UserError(f"--resume: {'; '.join(refused)}; "
+                        f"{'it defines' if len(refused) == 1 else 'these define'} the run, so "
+                        f"{'it' if len(refused) == 1 else 'they'} cannot change on resume")
+    notes = [f"note: {flag} is {now!r}, not {then!r} as when {checkpoint.folder.name} was saved"
+             for flag, now, then in others]
+    return checkpoint, skipped, False, notes
 
 
 def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bool = False,
@@ -186,7 +200,7 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
         raise UserError(f"{args.exp_name} is CFG-free: --guidance-scale {args.guidance_scale} would turn on true CFG "
                         f"for {args.model}; leave it unset (1.0)")
     _claim_output_dir(accelerator, output_dir)
-    checkpoint, skipped, restart = _find_resume(args, output_dir, rank)
+    checkpoint, skipped, restart, notes = _find_resume(args, output_dir, rank, train_prompts)
 
     torch.manual_seed(args.seed)
     dtype = resolve_dtype(args.dtype, accelerator.device)
@@ -258,6 +272,8 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
     if checkpoint is not None:
         _restore(run, checkpoint)
         accelerator.print(f"resumed from {checkpoint.folder} at epoch {run.start_epoch}")
+        for note in notes:
+            accelerator.print(note)
         saved_by = len(list(checkpoint.folder.glob("rng_*.pt")))
         if saved_by != accelerator.num_processes:  # allowed: draws depend on (seed, epoch), not on the processes
             accelerator.print(f"note: {checkpoint.folder.name} was saved by {saved_by} process"
@@ -433,7 +449,8 @@ def save(run: Run, epoch: int, meta: dict | None = None) -> None:
     # `args`: every flag of the start that wrote it and the guidance it resolved to, so that evaluate.py scores
     # the checkpoint as this run evaluated it.
     settings = json.loads(json.dumps(vars(args), default=str))
-    info = {"run": run_defining_flags(args), "model": args.model, "full_finetune": args.full_finetune,
+    info = {"run": run_defining_flags(args), "prompts_sha256": prompts_digest(run.train_prompts),
+            "model": args.model, "full_finetune": args.full_finetune,
             "weights": "transformer" if args.full_finetune else LORA_FILE, "optimizer_steps": run.optimizer_steps,
             "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"), "args": {**settings, "guidance": run.guidance},
             **(meta or {})}

@@ -32,7 +32,7 @@ import torch
 
 from common.utils import UserError
 from rewards.clip import to_pil
-from rewards.weights import checkpoint_file, load_state, snapshot_folder
+from rewards.weights import checkpoint_file, load_state, local_path, snapshot_folder
 
 SYSTEM_PROMPT = "You are a helpful assistant."  # the Qwen2-VL / Qwen2.5-VL chat template's default system turn
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -232,6 +232,7 @@ def load_backbone(source: str, read_state, base: str, model_class: str, special_
     from transformers import AutoConfig, AutoTokenizer, Qwen2VLImageProcessorPil
 
     state = read_state(source, base)
+    base = str(local_path(base, "the reward's base model") or base)
     try:
         tokenizer = AutoTokenizer.from_pretrained(base)
         image_processor = Qwen2VLImageProcessorPil.from_pretrained(base)
@@ -417,7 +418,6 @@ def videoalign_state(source: str, base: str) -> dict:
     the checkpoint's non-LoRA tensors (`non_lora_state_dict.pth`: the resized embeddings, the head, ...) with its
     LoRA merged in, W + s·B·A, s = α/r (α/√r with rsLoRA) from model_config.json's peft_lora_config: what the PEFT
     model computes."""
-    from safetensors.torch import load_file
 
     folder = Path(source)
     steps = sorted(folder.glob("checkpoint-*"), key=lambda p: int(p.name.rsplit("-", 1)[1]))
@@ -428,8 +428,8 @@ def videoalign_state(source: str, base: str) -> dict:
         return load_state(checkpoint / "model.pth")
     state = {}
     for file in sorted(snapshot_folder(base).glob("*.safetensors")):
-        state.update({_canonical(key): value for key, value in load_file(file).items()})
-    non_lora = torch.load(checkpoint / "non_lora_state_dict.pth", map_location="cpu", weights_only=True)
+        state.update({_canonical(key): value for key, value in load_state(file).items()})
+    non_lora = load_state(checkpoint / "non_lora_state_dict.pth")
     for key, value in non_lora.items():
         key = key.removeprefix("base_model.model.").replace(".modules_to_save.default.", ".")
         if ".original_module." not in key:
@@ -437,7 +437,7 @@ def videoalign_state(source: str, base: str) -> dict:
     lora_config = json.loads((folder / "model_config.json").read_text())["peft_lora_config"]
     rank, alpha = lora_config["lora_r"], lora_config["lora_alpha"]
     scale = alpha / math.sqrt(rank) if lora_config.get("use_rslora") else alpha / rank
-    lora = load_file(checkpoint / "adapter_model.safetensors")
+    lora = load_state(checkpoint / "adapter_model.safetensors")
     for key in [k for k in lora if k.endswith(".lora_A.weight")]:
         target = _canonical(key.removeprefix("base_model.model.").removesuffix(".lora_A.weight") + ".weight")
         down, up = lora[key].float(), lora[key.replace(".lora_A.", ".lora_B.")].float()

@@ -204,13 +204,12 @@ class _Adapter:
         cache) together; else one line naming the first record that differs."""
         if self.condition_images[1] == 0:
             return
-        from PIL import Image
+        from common.data import condition_image_size
 
         first = None
         for record in records:
             for path in record.images:
-                with Image.open(path) as image:
-                    shape = self.condition_shape(*image.size)
+                shape = self.condition_shape(*condition_image_size(path))
                 if first is None:
                     first = (shape, record.source)
                 elif shape != first[0]:

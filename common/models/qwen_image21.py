@@ -93,11 +93,10 @@ class QwenImage21Adapter(QwenImageEditAdapter):
     def check_condition_shapes(self, records) -> None:
         super().check_condition_shapes(records)
         if self.text_encoders:  # else a cache holds the encodings already
-            from PIL import Image
+            from common.data import condition_image_size
 
             for path in {path for record in records for path in record.images}:
-                with Image.open(path) as image:
-                    self._check_vision_tokens(*image.size)
+                self._check_vision_tokens(*condition_image_size(path))
 
     def _framing(self, count: int) -> int:
         """Tokens the chat template adds around `count` condition images, their vision tokens aside."""

@@ -110,15 +110,14 @@ class QwenImageEditAdapter(QwenImageAdapter):
         and one vision-token count (the embedding rows' length): the processor can give images of one VAE size
         different counts. One line naming the first record that differs."""
         super().check_condition_shapes(records)
-        from PIL import Image
+        from common.data import condition_image_size
 
         first = None
         for record in records:
             tokens = []
             if self.text_encoders:  # else a cache holds the embeddings already
                 for path in record.images:
-                    with Image.open(path) as image:
-                        tokens.append(self._vision_tokens(*image.size))
+                    tokens.append(self._vision_tokens(*condition_image_size(path)))
             shape = (len(record.images), set(tokens))
             if first is None:
                 first = (shape, record.source)
