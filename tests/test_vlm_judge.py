@@ -145,14 +145,14 @@ def test_the_judge_scores_micro_batches_concurrently_while_the_rollout_goes_on(j
         in_flight, most = [0], [0]
         lock = threading.Lock()
 
-        def slow_top_logprobs(messages, k):  # counts the requests being answered at once
+        def slow_top_logprobs(messages, k, *rest):  # counts the requests being answered at once
             with lock:
                 in_flight[0] += 1
                 most[0] = max(most[0], in_flight[0])
             time.sleep(0.3)
             with lock:
                 in_flight[0] -= 1
-            return judge_top(messages, k)
+            return judge_top(messages, k, *rest)
 
         judge.top_logprobs = slow_top_logprobs
         try:
@@ -179,7 +179,7 @@ def test_a_judge_slower_than_the_timeout_is_reported_as_stuck(judge):
     with serving(judge) as server:
         (reward,) = load_rewards([f"vlm_judge,url={server.url},retries=1,backoff=0.05,timeout=0.3"])
         judge_top = judge.top_logprobs
-        judge.top_logprobs = lambda messages, k: (time.sleep(0.6), judge_top(messages, k))[1]
+        judge.top_logprobs = lambda messages, k, *rest: (time.sleep(0.6), judge_top(messages, k, *rest))[1]
         try:
             with pytest.raises(UserError, match=f"judge server {server.url} did not answer /v1/chat/completions "
                                                 r"\(no answer within 0.3 s.*\) after 2 tries; it is running but stuck"):
