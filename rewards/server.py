@@ -122,9 +122,12 @@ class JsonHandler(BaseHTTPRequestHandler):
     def _client_gone(self) -> bool:
         """Whether the client has closed (or reset) its connection: nobody would read an answer. A client waiting
         for its answer sends nothing, so a readable socket means end of file, unless it holds a next request."""
+        poller = select.poll()  # not select.select, which fails for descriptors past 1024
         try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            poller.register(self.connection, select.POLLIN)
+            if not poller.poll(0):
+                return False
+            return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
         except BlockingIOError:
             return False
         except (OSError, ValueError):  # reset, or closed by server_close
@@ -200,15 +203,15 @@ def make_server(reward, host: str = "127.0.0.1", port: int = 0, timeout: float =
             if (request := self._read_json()) is None:
                 return
             try:
-                prompts, shapes = list(request["prompts"]), [len(request["images"])]
+                prompts, counts = list(request["prompts"]), [len(request["images"])]
                 if "conditions" in request:  # each sample's condition images
-                    shapes += [len(c) for c in request["conditions"]]
+                    counts += [len(c) for c in request["conditions"]]
                 everything = decode_capped([*request["images"], *(c for cs in request.get("conditions", ())
                                                                     for c in cs)], max_pixels)
                 tensors = [torch.from_numpy(np.array(image)).permute(2, 0, 1).float() / 255 for image in everything]
-                images, conditions = torch.stack(tensors[:shapes[0]]), None
+                images, conditions = torch.stack(tensors[:counts[0]]), None
                 if "conditions" in request:  # as lists of (3, h, w) tensors
-                    ends = np.cumsum(shapes).tolist()
+                    ends = np.cumsum(counts).tolist()
                     conditions = [tensors[start:end] for start, end in zip(ends, ends[1:])]
             except BadRequest as error:
                 return self._send(400, {"error": str(error)})

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from common.utils import UserError
+from conftest import script_error
 from rewards import load_rewards, score_samples
 from rewards.server import DEFAULT_MAX_PIXELS, make_server
 from rewards.vlm_server import Judge, build_tiny_judge
@@ -184,3 +185,10 @@ def test_the_judge_server_drops_requests_whose_client_gave_up(judge):
             time.sleep(0.5)
         time.sleep(0.5)
         assert server.server.requests_served == answered  # nothing ran for the three abandoned requests
+
+
+def test_max_pixels_flags_are_checked_in_one_line():
+    assert script_error("rewards/server.py", "--reward", "jpeg_compressibility", "--max-pixels", "0") == \
+        "error: --max-pixels must be at least 1, got 0"
+    assert script_error("rewards/vlm_server.py", "--model-path", "tiny", "--max-pixels", "-1") == \
+        "error: --max-logprobs and --max-pixels must be at least 1 and --timeout a positive number"

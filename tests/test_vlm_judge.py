@@ -269,7 +269,8 @@ def test_another_model_answering_mid_run_stops_the_run():
         with pytest.raises(UserError) as info:
             reward.score(images_on_grid(2), ["a", "b"])
     message = str(info.value)
-    assert message.startswith(f"judge server {url} answered as model 'm-v2', but as 'm' at load") and "\n" not in message
+    assert message.startswith(f"judge server {url} answered as model 'm-v2', but as 'm' at load")
+    assert "\n" not in message
 
 
 def test_the_load_time_question_needs_a_yes_or_no():
