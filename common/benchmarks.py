@@ -100,12 +100,14 @@ def aggregate(prompts: list[dict], metrics) -> dict:
                                                   for c in categories}}
 
 
-def benchmark_table(name: str, benchmark: str, tables: dict, metrics) -> str:
+def benchmark_table(name: str, benchmark: str, tables: dict, metrics, imputed: int, asked: int, judge: VlmJudge) -> str:
     lines = [f"{benchmark} of {name}", "", "| category | prompts | " + " | ".join(metrics) + " |",
              "|---|---|" + "---|" * len(metrics)]
     for category, row in [*tables["categories"].items(), ("all", tables["all"])]:
         cells = [f"{row[m]:.4f} ± {row[m + '_se']:.4f}" for m in metrics]
         lines.append(f"| {category} | {row['prompts']} | " + " | ".join(cells) + " |")
+    lines += ["", f"imputed atoms: {imputed} of {asked} (the judge's answer held neither yes nor no among its top "
+                  f"{judge.top_logprobs} tokens: scored 0.5)"]
     return "\n".join(lines)
 
 
@@ -135,19 +137,24 @@ def run_benchmark(benchmark: str, name: str, epoch: int, s: Namespace, adapter, 
                 atoms = [a for (r, _), a in zip(questions, answers) if r == row]
                 save_image_grid(images[row:row + 1], samples_dir / f"{i:04d}_seed{seed}.png", columns=1)
                 results.append(((i, seed), atoms))
-    by_item = dict(gather_object(results))
+    by_item = dict(gather_object(results))  # (prompt, seed) -> its atoms' P(yes), None where imputed
     prompts = []
     for i, record in enumerate(records):
-        samples = [{"seed": seed, "atoms": by_item[(i, seed)], **score_sample(by_item[(i, seed)])}
-                   for seed in record.seeds]
+        samples = []
+        for seed in record.seeds:
+            atoms = [0.5 if a is None else a for a in by_item[(i, seed)]]
+            samples.append({"seed": seed, "atoms": atoms, "imputed": sum(a is None for a in by_item[(i, seed)]),
+                            **score_sample(atoms)})
         prompts.append({"prompt": record.prompt, "category": record.category, "questions": list(record.atoms),
                         "samples": samples, **{m: sum(x[m] for x in samples) / len(samples) for m in metrics}})
     tables = aggregate(prompts, metrics)
+    every = [x for p in prompts for x in p["samples"]]
+    imputed, asked = sum(x["imputed"] for x in every), sum(len(x["atoms"]) for x in every)
     result = {"name": name, "epoch": epoch, "benchmark": benchmark, "judge": f"{judge.model} at {judge.url}",
               **{f"{benchmark}_{m}{tail}": tables["all"][m + tail] for m in metrics for tail in ("", "_se")},
-              "tables": tables, "prompts": prompts}
+              "imputed_atoms": imputed, "atoms": asked, "tables": tables, "prompts": prompts}
     if accelerator.is_main_process:
-        text = benchmark_table(name, benchmark, tables, metrics)
+        text = benchmark_table(name, benchmark, tables, metrics, imputed, asked, judge)
         print(text, flush=True)
         folder.mkdir(parents=True, exist_ok=True)
         write_text_atomic(folder / f"{name}-{benchmark}.md", text + "\n")
