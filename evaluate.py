@@ -30,7 +30,7 @@ from common.evaluation import evaluate_prompts
 from common.models import ADAPTERS, load_adapter, resolve_model_path
 from common.scoring import check_audio_rewards, check_video_rewards
 from common.tracking import format_metrics
-from common.training import EMA, add_lora, trainable_parameters
+from common.training import EMA, add_lora, full_finetune_parameters, trainable_parameters
 from common.utils import UserError, install_user_error_hook, quiet_libraries, resolve_dtype
 from rewards import load_run_rewards
 
@@ -182,9 +182,10 @@ def trained(checkpoint, s: Namespace, adapter):
     transformer = adapter.transformer
     if s.full_finetune:
         load_full_state_into(transformer, checkpoint.weights)
-        params = [p for p in transformer.parameters()]
+        params = full_finetune_parameters(transformer, adapter.unused_modules(transformer))  # the EMA's, as trained
     else:
-        add_lora(transformer, s.lora_rank, s.lora_alpha, adapter.lora_target_modules)
+        add_lora(transformer, s.lora_rank, s.lora_alpha, adapter.lora_target_modules,
+                 adapter.unused_modules(transformer))
         params = trainable_parameters(transformer)  # float32, as trained
         load_lora_state_into(transformer, checkpoint.weights, str(checkpoint.folder))
     ema = None

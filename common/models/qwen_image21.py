@@ -46,6 +46,7 @@ class QwenImage21Adapter(QwenImageEditAdapter):
     text_components = ("text_encoder",)
     # Every linear layer of the single-stream blocks: attention and the SwiGLU feed-forward.
     lora_target_modules = ["to_q", "to_k", "to_v", "to_out.0", "img_mlp.proj", "img_mlp.gate_layer", "img_mlp.out"]
+    last_block_text_outputs = ()  # single-stream blocks: every output is read
 
     def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
                  max_sequence_length: int = 512, load_text_encoders: bool = True, text_only: bool = False,
