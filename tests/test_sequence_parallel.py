@@ -4,6 +4,7 @@ unsplit: the transformer's output, the SDE log-probs, the LoRA gradients after D
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from conftest import (
@@ -42,6 +43,28 @@ def test_split_step_equals_the_unsplit_one(tmp_path, model):
     # FLUX.1 and 18% for Wan)
     unsplit, split = reports[0]["flops"]["unsplit"], sum(r["flops"]["split"] for r in reports)
     assert unsplit <= split <= 1.25 * unsplit
+
+
+def test_one_process_of_a_group_calls_the_rewards_and_both_get_its_scores(tmp_path):
+    """Both processes of a group hold the same samples: each reward is called once per sample in the group (not once
+    per process), and both processes get the same scores and named columns; a reward's failure is both's one line."""
+    out = tmp_path / "report.json"
+    run_script("tests/sp_scoring.py", out, launcher=ACCELERATE_2CPU)
+    first, second = json.loads(out.read_text())
+    assert first["calls"] == {"brightness": 8, "contrast": 8, "judge": 8}
+    assert second["calls"] == {"brightness": 0, "contrast": 0, "judge": 0}
+    images = torch.rand(8, 3, 8, 8, generator=torch.Generator().manual_seed(0)).double().numpy()
+    brightness = images.reshape(8, -1).mean(1)
+    group = np.array([1, 1, 2, 2, 1, 1, 2, 2])
+    means = {g: brightness[group == g].mean() for g in (1, 2)}
+    contrast = brightness - np.array([means[g] for g in group])
+    best = {g: brightness[group == g].max() for g in (1, 2)}
+    for report in (first, second):
+        np.testing.assert_allclose(report["scores"], np.stack([brightness, contrast], 1), rtol=0, atol=1e-12)
+        np.testing.assert_allclose(report["columns"]["contrast_below_best"],
+                                   np.array([best[g] for g in group]) - brightness, rtol=0, atol=1e-12)
+        assert report["error"].startswith("reward 'judge' raised ConnectionError at sp_scoring.py:")
+    assert second["error"] == first["error"]
 
 
 @SLOW
