@@ -27,7 +27,7 @@ from common.checkpoint import load_full_state_into, load_lora_state_into, newest
 from common.cli import CONDITIONED_MODELS, AttentionBackend, ModelName, TrainArgs, check_finite, cli_one_line
 from common.data import Prompt, check_conditions, default_dataset, load_prompts
 from common.evaluation import evaluate_prompts
-from common.models import ADAPTERS, load_adapter, resolve_model_path
+from common.models import ADAPTERS, default_max_sequence_length, load_adapter, resolve_model_path
 from common.scoring import check_audio_rewards, check_video_rewards
 from common.tracking import format_metrics
 from common.training import EMA, add_lora, full_finetune_parameters, trainable_parameters
@@ -142,6 +142,8 @@ def settings(args: Args, saved: dict | None) -> Namespace:
             values[name] = value
     values["eval_num_steps"] = values["eval_num_steps"] or values["num_steps"]  # unset: the rollout's steps
     values["dataset"] = values["dataset"] or default_dataset(values["model"])
+    if values["max_sequence_length"] is None:  # unset here and in the training defaults: the model's own
+        values["max_sequence_length"] = default_max_sequence_length(values["model"])
     return Namespace(**values)
 
 

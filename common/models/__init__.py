@@ -7,6 +7,8 @@ LTX-2's image-to-video reads, its clean first frame being no part of the latents
 Weights live in the model dtype (bf16 on GPUs); everything that leaves `velocity` is float32.
 """
 
+import inspect
+
 import torch
 
 from common.models.flux import FluxAdapter
@@ -70,15 +72,23 @@ ADAPTERS = {"flux1": FluxAdapter, "sd3": SD3Adapter, "qwen-image": QwenImageAdap
             "ltx2-i2v": LTX2ImageToVideoAdapter}
 
 
+def default_max_sequence_length(model: str) -> int:
+    """The text length `model` encodes when none is given: its adapter's default, which is its pipeline's own
+    (docs/models.md lists them), so that a LoRA trained here meets the text conditioning the stock pipeline gives."""
+    return inspect.signature(ADAPTERS[model]).parameters["max_sequence_length"].default
+
+
 def load_adapter(model: str, model_path: str | None, device, dtype: torch.dtype, resolution: int,
-                 max_sequence_length: int = 512, load_text_encoders: bool = True, text_only: bool = False,
+                 max_sequence_length: int | None = None, load_text_encoders: bool = True, text_only: bool = False,
                  num_frames: int | None = None, condition_size: int | None = None, train_experts: str | None = None):
     """The adapter of `model`; `load_text_encoders=False` when training from the embedding cache,
     `text_only=True` to load nothing but the text encoders and condition encoders (preprocess.py). `num_frames`
-    (video models only) and `condition_size` (conditioned models only) default to the adapter's own;
-    `train_experts` (high, low or both: whose LoRA is trained) applies to two-expert models only."""
+    (video models only), `condition_size` (conditioned models only) and `max_sequence_length` default to the
+    adapter's own; `train_experts` (high, low or both: whose LoRA is trained) applies to two-expert models only."""
     if model not in ADAPTERS:
         raise UserError(f"unknown model {model!r}; choose one of: {', '.join(ADAPTERS)}")
+    if max_sequence_length is None:
+        max_sequence_length = default_max_sequence_length(model)
     extra = {}
     if num_frames is not None:
         if not ADAPTERS[model].video:
