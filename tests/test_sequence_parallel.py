@@ -3,12 +3,14 @@ one sequence-parallel group split every transformer call between them and must c
 unsplit: the transformer's output, the SDE log-probs, the LoRA gradients after DDP's mean, and a whole grpo.py run."""
 
 import json
+import os
 
 import numpy as np
 import pytest
 import torch
 from conftest import (
     ACCELERATE_2CPU,
+    REPO,
     SLOW,
     read_metrics,
     run_script,
@@ -65,6 +67,24 @@ def test_one_process_of_a_group_calls_the_rewards_and_both_get_its_scores(tmp_pa
                                    np.array([best[g] for g in group]) - brightness, rtol=0, atol=1e-12)
         assert report["error"].startswith("reward 'judge' raised ConnectionError at sp_scoring.py:")
     assert second["error"] == first["error"]
+
+
+@SLOW
+def test_a_split_grpo_run_calls_each_reward_once_per_sample(tmp_path):
+    """algos/grpo.py with --sequence-parallel 2: the epoch's scoring and both evaluations call the reward on the
+    group's first process only, and the run trains on the scores that process got."""
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    run_script("algos/grpo.py", "--preset", "tiny", "--epochs", "1", "--eval-every", "1", "--eval-num-prompts", "2",
+               "--eval-seeds", "1", "--reward", f"sp_scoring:CountedBrightness,folder={calls}", "--sequence-parallel",
+               "2", "--output-dir", tmp_path / "run", launcher=ACCELERATE_2CPU, env=env)
+    assert sorted(path.name for path in calls.iterdir()) == ["calls_rank0.jsonl"]
+    lines = [json.loads(line) for line in (calls / "calls_rank0.jsonl").read_text().splitlines()]
+    scores = [score for line in lines for score in line["scores"]]
+    (metrics,) = read_metrics(tmp_path / "run")
+    assert len(scores) == 2 + metrics["samples_seen"] + 2  # the evaluation before training, the epoch, the one after
+    assert metrics["reward_mean"] == pytest.approx(np.mean(scores[2:-2]), rel=1e-12)
 
 
 @SLOW
