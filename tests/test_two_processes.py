@@ -77,7 +77,8 @@ def tiny_flags(model: str) -> list[str]:
 
 @pytest.mark.parametrize("model", [pytest.param(model, marks=SLOW) for model in ADAPTERS])
 def test_every_model_trains_an_epoch_on_two_processes(model, tmp_path, edit_dataset, monkeypatch):
-    """`--preset tiny` for one epoch under DDP on two processes, from an empty cache folder."""
+    """`--preset tiny` for one epoch under DDP on two processes (its evaluations on 2 prompts), from an empty cache
+    folder."""
     from common.tiny import tiny_model_path
 
     monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path / "cache"))
@@ -85,7 +86,7 @@ def test_every_model_trains_an_epoch_on_two_processes(model, tmp_path, edit_data
     tiny_model_path(model)
     data = ["--dataset", edit_dataset] if ADAPTERS[model].condition_images[1] != 0 else []
     run_script("algos/grpo.py", "--preset", "tiny", "--model", model, "--model-path", "tiny", "--epochs", "1",
-               *tiny_flags(model), *data, "--output-dir", tmp_path / "run", launcher=ACCELERATE_2CPU)
+               "--eval-num-prompts", "2", *tiny_flags(model), *data, "--output-dir", tmp_path / "run", launcher=ACCELERATE_2CPU)
     (metrics,) = read_metrics(tmp_path / "run")
     assert metrics["num_processes"] == 2 and metrics["samples_seen"] == 16
     assert all(math.isfinite(metrics[k]) for k in ("reward_mean", "loss", "grad_norm")) and metrics["grad_norm"] > 0
