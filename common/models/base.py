@@ -19,6 +19,8 @@ def component_class_name(model_path: str, component: str) -> str | None:
     except (OSError, ValueError):
         return None
     return entry[1]
+
+
 def lora_metadata(transformer, adapter_name: str, layers: dict[str, torch.Tensor]) -> dict | None:
     """The peft config of `transformer`'s (unwrapped) adapter, as a LoRA file's metadata. A LoRA that leaves out
     `unused_modules` names exactly the file's `layers` as its targets: the loader injects LoRA where the file has
