@@ -27,10 +27,10 @@ from common.checkpoint import load_full_state_into, load_lora_state_into, newest
 from common.cli import CONDITIONED_MODELS, AttentionBackend, ModelName, TrainArgs, check_finite, cli_one_line
 from common.data import Prompt, check_conditions, default_dataset, load_prompts
 from common.evaluation import evaluate_prompts
-from common.models import ADAPTERS, load_adapter, resolve_model_path
+from common.models import ADAPTERS, default_max_sequence_length, load_adapter, resolve_model_path
 from common.scoring import check_audio_rewards, check_video_rewards
 from common.tracking import format_metrics
-from common.training import EMA, add_lora, trainable_parameters
+from common.training import EMA, add_lora, full_finetune_parameters, trainable_parameters
 from common.utils import UserError, install_user_error_hook, quiet_libraries, resolve_dtype
 from rewards import load_run_rewards
 
@@ -168,6 +168,8 @@ def settings(args: Args, saved: dict | None) -> Namespace:
             values[name] = value
     values["eval_num_steps"] = values["eval_num_steps"] or values["num_steps"]  # unset: the rollout's steps
     values["dataset"] = values["dataset"] or default_dataset(values["model"])
+    if values["max_sequence_length"] is None:  # unset here and in the training defaults: the model's own
+        values["max_sequence_length"] = default_max_sequence_length(values["model"])
     return Namespace(**values)
 
 
@@ -208,9 +210,10 @@ def trained(checkpoint, s: Namespace, adapter):
     transformer = adapter.transformer
     if s.full_finetune:
         load_full_state_into(transformer, checkpoint.weights)
-        params = [p for p in transformer.parameters()]
+        params = full_finetune_parameters(transformer, adapter.unused_modules(transformer))  # the EMA's, as trained
     else:
-        add_lora(transformer, s.lora_rank, s.lora_alpha, adapter.lora_target_modules)
+        add_lora(transformer, s.lora_rank, s.lora_alpha, adapter.lora_target_modules,
+                 adapter.unused_modules(transformer))
         params = trainable_parameters(transformer)  # float32, as trained
         load_lora_state_into(transformer, checkpoint.weights, str(checkpoint.folder))
     ema = None

@@ -69,8 +69,9 @@ class TrainArgs:
     """weights dtype: auto is bf16 on GPU and float32 on CPU; step and loss math is float32 whatever it is"""
     resolution: int = 512
     """image height and width"""
-    max_sequence_length: int = 512
-    """prompt length in text-encoder tokens (longer prompts are truncated, with a warning)"""
+    max_sequence_length: int | None = None
+    """prompt length in text-encoder tokens (longer prompts are truncated, with a warning; unset: the model's own,
+    its pipeline's default: docs/models.md)"""
     num_frames: int | None = None
     """frames of a video model (the Wan models: 4k + 1; unset: 33); image models take none"""
     train_experts: Literal["high", "low", "both"] | None = None
@@ -239,6 +240,8 @@ def parse_args(args_class, presets: dict[str, dict] | None = None, description: 
         args.exp_name = Path(sys.argv[0]).stem
     if hasattr(args, "dataset") and args.dataset is None:  # preprocess.py's Args has one too
         args.dataset = default_dataset(args.model)
+    if getattr(args, "max_sequence_length", 0) is None and getattr(args, "model", None) is not None:
+        args.max_sequence_length = MODELS[args.model].text_length  # the model's own; preprocess.py's Args has one too
     check_finite(args)
     (check or check_args)(args)
     return args

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from common.models.base import AudioVideo
-from common.parallel import gather_objects
+from common.parallel import gather_objects, scored_once
 from common.sampling import sample, sample_generators
 from common.scoring import condition_tensors, score_samples
 from common.tracking import log_image, save_image_grid, save_wav
@@ -42,13 +42,18 @@ def evaluate_prompts(adapter, accelerator, encode, rewards: list, prompts: list,
             images = decoded.video if isinstance(decoded, AudioVideo) else decoded
             texts = [prompts[i].prompt for i, _ in batch]
             conditions = [prompts[i].images for i, _ in batch]
-            named = {}
-            raw = score_samples(pointwise, decoded, texts, torch.tensor([prompts[i].key for i, _ in batch]),
-                                conditions=conditions, columns=named)
-            checks = {f"{r.name}_{name}": values for r in pointwise if hasattr(r.score, "checks")
-                      for name, values in r.score.checks(images, texts, *(
-                          [condition_tensors(conditions)] if r.wants_conditions else [])).items()}
-            checks.update({f"reward_{key}": values for key, values in named.items()})
+
+            def score():  # called at once, in this iteration
+                named = {}
+                raw = score_samples(pointwise, decoded, texts, torch.tensor([prompts[i].key for i, _ in batch]),
+                                    conditions=conditions, columns=named)
+                checks = {f"{r.name}_{name}": values for r in pointwise if hasattr(r.score, "checks")
+                          for name, values in r.score.checks(images, texts, *(
+                              [condition_tensors(conditions)] if r.wants_conditions else [])).items()}
+                return raw, {**checks, **{f"reward_{key}": values for key, values in named.items()}}
+
+            # the processes of a sequence-parallel group drew the same samples: one of them scores
+            raw, checks = scored_once(accelerator, score)
             for row, (i, s) in enumerate(batch):
                 shown = grid is not None and s < 8
                 sound = decoded[row].cpu() if shown and isinstance(decoded, AudioVideo) else None

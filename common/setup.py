@@ -32,7 +32,7 @@ from common.parallel import (DataParallel, check_world, device_mesh, enable_sequ
 from common.scoring import RolloutScoring, check_audio_rewards, check_video_rewards
 from common.shadow import ReferencePolicy, ShadowPolicy
 from common.tracking import MetricsLog, check_finite, format_metrics
-from common.training import EMA, add_lora, lr_scheduler, trainable_parameters
+from common.training import EMA, add_lora, full_finetune_parameters, lr_scheduler, trainable_parameters
 from common.utils import RunStopped, UserError, peak_memory_gb, resolve_dtype
 
 
@@ -231,9 +231,11 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
     if args.full_finetune:
         if reference_copy:  # a frozen copy is the only reference a full fine-tune has
             frozen_copy = copy.deepcopy(transformer).requires_grad_(False)
-        transformer.requires_grad_(True)
+        for param in full_finetune_parameters(transformer, adapter.unused_modules(transformer)):
+            param.requires_grad_(True)
     else:
-        add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_target_modules)
+        add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_target_modules,
+                 adapter.unused_modules(transformer))
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     params = trainable_parameters(transformer)

@@ -23,7 +23,8 @@ os.environ.update(WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"
 # The longest files first: `pytest -n 2 --dist loadfile` hands out whole files in collection order, and the
 # toy learning tests (13 CPU-minutes) collected last would run alone at the end while the other worker idles.
 # (pyproject.toml turns off xdist's own reordering by file size, which would undo this.)
-LONGEST_FIRST = ["test_toy_learning.py", "test_distributed.py", "test_matrix.py", "test_rewards_overlap.py"]
+LONGEST_FIRST = ["test_toy_learning.py", "test_distributed.py", "test_matrix.py", "test_two_processes.py",
+                 "test_rewards_overlap.py"]
 
 
 # Two tiers. Without --full the tests marked slow are deselected: the fast tier keeps every file's core checks for a

@@ -108,3 +108,34 @@ def test_readme_and_docs_link_only_to_files_that_exist():
             if not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(REPO)} links to {target}")
     assert not broken, "\n".join(broken)
+
+
+def _models_md_bullet(start: str) -> str:
+    text = (REPO / "docs" / "models.md").read_text()
+    return " ".join(next(b for b in text.split("\n- ") if b.startswith(start)).split())
+
+
+def test_models_md_names_each_model_s_lora_loader():
+    """The loader bullet says `load_lora_weights` and names as its exceptions exactly the models whose stock pipeline
+    class has no `load_lora_weights`, with the call that loads theirs."""
+    import diffusers
+
+    from common.models import ADAPTERS
+
+    bullet = _models_md_bullet("Checkpoints")
+    exceptions = bullet.split(" except ", 1)[1].split(":", 1)[0] if " except " in bullet else ""
+    lacking = {model for model, adapter in ADAPTERS.items()
+               if not hasattr(getattr(diffusers, adapter.pipeline_class_name), "load_lora_weights")}
+    assert "load_lora_weights" in bullet and set(re.findall(r"`([\w.-]+)`", exceptions)) == lacking
+    assert "pipe.transformer.load_lora_adapter(folder" in bullet
+
+
+def test_models_md_gives_each_model_s_default_text_length():
+    from common.models import ADAPTERS, default_max_sequence_length
+
+    bullet = _models_md_bullet("Text length")
+    listed = {model: int(length) for length, models in re.findall(r"(\d+) for ((?:`[\w.-]+`(?:,| and| )*)+)", bullet)
+              for model in re.findall(r"`([\w.-]+)`", models)}
+    assert "512 for every other model" in bullet
+    assert {model: listed.get(model, 512) for model in ADAPTERS} == \
+        {model: default_max_sequence_length(model) for model in ADAPTERS}

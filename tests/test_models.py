@@ -1,5 +1,6 @@
 """The FLUX.1 adapter on the tiny pipeline: parity with diffusers, the ratio invariant, bad input."""
 
+import inspect
 import shutil
 
 import pytest
@@ -139,6 +140,7 @@ def test_every_model_name_has_an_adapter_a_default_path_and_a_tiny_build():
         assert adapter.__module__ == f"common.models.{row.family}" and adapter.__name__ == row.adapter, model
         assert callable(getattr(sys.modules[adapter.__module__], row.tiny)), model
         assert DEFAULT_MODEL_PATHS[model] == row.checkpoint
+        assert inspect.signature(adapter).parameters["max_sequence_length"].default == row.text_length, model
         assert (row.video, row.audio, row.two_experts, row.conditioned) == \
             (adapter.video, adapter.audio, getattr(adapter, "two_experts", False), adapter.condition_images[1] != 0), \
             model
@@ -188,3 +190,32 @@ def test_two_ranks_build_a_tiny_pipeline_once_and_whole(tmp_path):
     built = tmp_path / f"tiny-qwen-image-v{TINY_VERSION}"
     assert _complete_pipeline(built) and any((built / "text_encoder").glob("*.safetensors"))
     assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no temporary folder left beside it
+
+
+def test_an_unset_text_length_is_the_model_s_own(monkeypatch):
+    """--max-sequence-length unset is the length each model's stock pipeline encodes by default (its __call__'s
+    max_sequence_length), in the training scripts, preprocess.py and evaluate.py alike (the embedding cache's key
+    takes the scripts' value); a given length stays."""
+    import inspect
+    import sys
+
+    import diffusers
+
+    import evaluate
+    import preprocess
+    from common.cli import TrainArgs, parse_args
+    from common.models import ADAPTERS
+
+    # HunyuanVideo15Pipeline sets tokenizer_max_length = 1000 in its __init__; QwenImage21Pipeline never cuts a
+    # prompt: the adapter's bound
+    own = {"hunyuan-video-1.5": 1000, "hunyuan-video-1.5-i2v": 1000, "qwen-image-2.1": 512}
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # parse_args installs the one-line error hook
+    for model, adapter in ADAPTERS.items():
+        call = inspect.signature(getattr(diffusers, adapter.pipeline_class_name).__call__).parameters
+        expected = call["max_sequence_length"].default if "max_sequence_length" in call else own[model]
+        for args_class in (TrainArgs, preprocess.Args):
+            monkeypatch.setattr(sys, "argv", ["script.py", "--model", model])
+            assert parse_args(args_class, check=lambda args: None).max_sequence_length == expected, model
+        assert evaluate.settings(evaluate.Args(model=model), None).max_sequence_length == expected, model
+    monkeypatch.setattr(sys, "argv", ["script.py", "--model", "ltx2", "--max-sequence-length", "77"])
+    assert parse_args(TrainArgs).max_sequence_length == 77

@@ -207,7 +207,7 @@ def test_saved_lora_loads_into_the_pipeline_and_reproduces_our_model(path, datas
     records = load_prompts(dataset, "two")
     adapter = adapter_of(path)
     cond = PromptEncoder(adapter)(records)
-    add_lora(adapter.transformer, 4, 8, adapter.lora_target_modules)
+    add_lora(adapter.transformer, 4, 8, adapter.lora_target_modules, adapter.unused_modules(adapter.transformer))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in adapter.transformer.named_parameters():

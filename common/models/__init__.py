@@ -114,15 +114,24 @@ class _Adapters(Mapping):
 ADAPTERS = _Adapters()
 
 
+def default_max_sequence_length(model: str) -> int:
+    """The text length `model` encodes when none is given: the registry's, its stock pipeline's own (docs/models.md
+    lists them; tests/test_models.py checks them against the adapters and pipelines), so that a LoRA trained here
+    meets the text conditioning the stock pipeline gives."""
+    return _ROWS[model].text_length
+
+
 def load_adapter(model: str, model_path: str | None, device, dtype: torch.dtype, resolution: int,
-                 max_sequence_length: int = 512, load_text_encoders: bool = True, text_only: bool = False,
+                 max_sequence_length: int | None = None, load_text_encoders: bool = True, text_only: bool = False,
                  num_frames: int | None = None, condition_size: int | None = None, train_experts: str | None = None):
     """The adapter of `model`; `load_text_encoders=False` when training from the embedding cache,
     `text_only=True` to load nothing but the text encoders and condition encoders (preprocess.py). `num_frames`
-    (video models only) and `condition_size` (conditioned models only) default to the adapter's own;
-    `train_experts` (high, low or both: whose LoRA is trained) applies to two-expert models only."""
+    (video models only), `condition_size` (conditioned models only) and `max_sequence_length` default to the
+    adapter's own; `train_experts` (high, low or both: whose LoRA is trained) applies to two-expert models only."""
     if model not in ADAPTERS:
         raise UserError(f"unknown model {model!r}; choose one of: {', '.join(ADAPTERS)}")
+    if max_sequence_length is None:
+        max_sequence_length = default_max_sequence_length(model)
     extra = {}
     if num_frames is not None:
         if not ADAPTERS[model].video:

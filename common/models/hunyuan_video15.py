@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from common.checkpoint import LORA_FILE
-from common.models.base import FirstFrameConditioned, _Adapter
+from common.models.base import FirstFrameConditioned, _Adapter, lora_metadata
 from common.models.tiny_parts import (_QWEN_TEMPLATE_WORDS, TINY_SEED, _byte_level_bpe, _merge_into_single_tokens,
                                       tiny_qwen2_tokenizer)
 from common.utils import UserError
@@ -43,6 +43,8 @@ class HunyuanVideo15Adapter(_Adapter):
     model_components = ("transformer",)
     # Attention of both streams (the dual-stream blocks and the text token refiner), as Wan's and Qwen-Image's targets.
     lora_target_modules = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+    # HunyuanVideo15Transformer3DModel projects only the video stream out of its last block
+    last_block_text_outputs = ("attn.to_add_out", "ff_context")
     text_inputs = {"prompt_embeds": "encoder_hidden_states", "prompt_embeds_mask": "encoder_attention_mask",
                    "prompt_embeds_2": "encoder_hidden_states_2", "prompt_embeds_mask_2": "encoder_attention_mask_2"}
 
@@ -159,9 +161,8 @@ class HunyuanVideo15Adapter(_Adapter):
         prefix="transformer", weight_name="pytorch_lora_weights.safetensors")`."""
         from diffusers.loaders.lora_base import LoraBaseMixin
 
-        peft_config = getattr(self.pipe.transformer, "peft_config", {}).get(adapter_name)
-        LoraBaseMixin._save_lora_weights(str(directory), {"transformer": lora_state_dict},
-                                         {"transformer": peft_config.to_dict() if peft_config is not None else None},
+        metadata = lora_metadata(self.pipe.transformer, adapter_name, lora_state_dict)
+        LoraBaseMixin._save_lora_weights(str(directory), {"transformer": lora_state_dict}, {"transformer": metadata},
                                          weight_name=LORA_FILE)
 
 

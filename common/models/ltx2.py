@@ -49,6 +49,11 @@ class LTX2Adapter(_Adapter):
     # The transformer's FSDP2 units. LTX2VideoTransformer3DModel names no _no_split_modules, which accelerate's
     # auto-wrap reads when the config names no classes (configs/fsdp2.yaml): the adapter sets it.
     no_split_modules = ["LTX2VideoTransformerBlock"]
+    # LTX-2.0's reference modulates each stream's audio-video cross-attention (scale, shift and gate) by its own
+    # timesteps (Lightricks/LTX-2 as released, packages/ltx-core/src/ltx_core/model/transformer/transformer_args.py,
+    # MultiModalTransformerArgsPreprocessor.prepare): diffusers' use_cross_timestep=False. True, the pipelines'
+    # default, is the LTX-2.3 behaviour; the two differ only where a stream's timesteps vary by token (I2V).
+    use_cross_timestep = False
 
     def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
                  max_sequence_length: int = 1024, load_text_encoders: bool = True, text_only: bool = False,
@@ -182,7 +187,8 @@ class LTX2Adapter(_Adapter):
                 encoder_hidden_states=embeds.to(self.dtype), audio_encoder_hidden_states=audio_embeds.to(self.dtype),
                 timestep=video_timestep, audio_timestep=timestep, sigma=timestep, encoder_attention_mask=mask,
                 audio_encoder_attention_mask=mask, num_frames=frames, height=height, width=width, fps=self.frame_rate,
-                audio_num_frames=self.audio_frames, use_cross_timestep=True, return_dict=False)
+                audio_num_frames=self.audio_frames, use_cross_timestep=self.use_cross_timestep,
+                return_dict=False)
         out_video, out_audio = out_video[:, self.condition_tokens:].float(), out_audio.float()
         if cfg:
             out_video, out_audio = self._cfg_combine(out_video, video_scale), self._cfg_combine(out_audio, audio_scale)

@@ -30,6 +30,8 @@ class QwenImageAdapter(_Adapter):
         "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
         "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
     ]
+    # QwenImageTransformer2DModel projects only the image stream out of its last block
+    last_block_text_outputs = ("attn.to_add_out", "txt_mlp")
 
     def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
                  max_sequence_length: int = 512, load_text_encoders: bool = True, text_only: bool = False):

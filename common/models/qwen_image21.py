@@ -50,6 +50,7 @@ class QwenImage21Adapter(QwenImageEditAdapter):
     text_components = ("text_encoder",)
     # Every linear layer of the single-stream blocks: attention and the SwiGLU feed-forward.
     lora_target_modules = ["to_q", "to_k", "to_v", "to_out.0", "img_mlp.proj", "img_mlp.gate_layer", "img_mlp.out"]
+    last_block_text_outputs = ()  # single-stream blocks: every output is read
 
     @staticmethod
     def attention_pairs(tokens: int, queries: int, keys: int, attention_kwargs: dict) -> int:

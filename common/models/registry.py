@@ -21,11 +21,12 @@ class Model:
     two_experts: bool = False  # a high- and a low-noise expert: takes --train-experts
     audio: bool = False        # makes sound with its videos
     toy: str | None = None     # the shipped toy world's pipeline (--model-path toy), relative to the repository
+    text_length: int = 512     # prompt tokens its stock pipeline encodes by default (--max-sequence-length unset)
 
 
 MODELS = {
     "flux1": Model("flux", "FluxAdapter", "build_tiny_flux1", "black-forest-labs/FLUX.1-dev", toy="data/toy/model"),
-    "sd3": Model("sd3", "SD3Adapter", "build_tiny_sd3", "stabilityai/stable-diffusion-3.5-medium"),
+    "sd3": Model("sd3", "SD3Adapter", "build_tiny_sd3", "stabilityai/stable-diffusion-3.5-medium", text_length=256),
     "qwen-image": Model("qwen_image", "QwenImageAdapter", "build_tiny_qwen_image", "Qwen/Qwen-Image"),
     "wan": Model("wan", "WanAdapter", "build_tiny_wan", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", video=True,
                  toy="data/toy_video/model"),
@@ -47,19 +48,21 @@ MODELS = {
     # text-to-image and editing in one model: conditioned, with rows that have no condition image
     "qwen-image-2.1": Model("qwen_image21", "QwenImage21Adapter", "build_tiny_qwen_image21", "Qwen/Qwen-Image-2.1",
                             conditioned=True),
-    "ltx2": Model("ltx2", "LTX2Adapter", "build_tiny_ltx2", "Lightricks/LTX-2", video=True, audio=True),
+    "ltx2": Model("ltx2", "LTX2Adapter", "build_tiny_ltx2", "Lightricks/LTX-2", video=True, audio=True,
+                  text_length=1024),
     "wan2.2-i2v": Model("wan22", "Wan22ImageToVideoAdapter", "build_tiny_wan22_i2v",
                         "Wan-AI/Wan2.2-I2V-A14B-Diffusers", video=True, conditioned=True, two_experts=True),
     # the pipelines' docstring ids
     "hunyuan-video-1.5": Model("hunyuan_video15", "HunyuanVideo15Adapter", "build_tiny_hunyuan_video15",
-                               "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v", video=True),
+                               "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v", video=True,
+                               text_length=1000),
     "hunyuan-video-1.5-i2v": Model("hunyuan_video15", "HunyuanVideo15ImageToVideoAdapter",
                                    "build_tiny_hunyuan_video15_i2v", "hunyuanvideo-community/HunyuanVideo-1.5-480p_i2v",
-                                   video=True, conditioned=True),
+                                   video=True, conditioned=True, text_length=1000),
     # one checkpoint, loaded as LTX2ImageToVideoPipeline; one tiny LTX-2 for both modes, as its model_index names
     # LTX2Pipeline
     "ltx2-i2v": Model("ltx2", "LTX2ImageToVideoAdapter", "build_tiny_ltx2", "Lightricks/LTX-2", video=True,
-                      conditioned=True, audio=True),
+                      conditioned=True, audio=True, text_length=1024),
 }
 
 DEFAULT_MODEL = "flux1"  # --model unset
