@@ -27,10 +27,10 @@ from common.checkpoint import load_full_state_into, load_lora_state_into, newest
 from common.cli import CONDITIONED_MODELS, AttentionBackend, ModelName, TrainArgs, check_finite, cli_one_line
 from common.data import Prompt, check_conditions, default_dataset, load_prompts
 from common.evaluation import evaluate_prompts
-from common.models import ADAPTERS, load_adapter, resolve_model_path
+from common.models import ADAPTERS, default_max_sequence_length, load_adapter, resolve_model_path
 from common.scoring import check_audio_rewards, check_video_rewards
 from common.tracking import format_metrics
-from common.training import EMA, add_lora, trainable_parameters
+from common.training import EMA, add_lora, full_finetune_parameters, trainable_parameters
 from common.utils import UserError, install_user_error_hook, quiet_libraries, resolve_dtype
 from rewards import load_run_rewards
 
@@ -113,11 +113,34 @@ def check(args: Args) -> None:
     if args.base and not args.run:
         raise UserError("--base scores the model a --run started from: give --run (without it the model given by "
                         "the flags is scored untrained anyway)")
+    # Where the results go is checked now, not after the scoring.
+    if args.benchmark is None:
+        check_folder("--grid-dir", Path(args.grid_dir))
+    else:
+        check_folder("--benchmark-dir", Path(args.benchmark_dir))
+    if args.output is not None:
+        output = Path(args.output)
+        if output.is_dir():
+            raise UserError(f"--output {output} is a folder: give the name of the JSON file to write")
+        if not output.parent.is_dir():
+            raise UserError(f"--output {output}: the folder {output.parent} does not exist")
+        if not os.access(output.parent, os.W_OK | os.X_OK):
+            raise UserError(f"--output {output}: the folder {output.parent} is not writable")
 
 
-def newest_checkpoint(folder: Path, process_index: int):
-    """The run's newest complete checkpoint (a damaged newer one is skipped, as on --resume); it carries the flags
-    of the start that wrote it (meta.json `args`)."""
+def check_folder(flag: str, folder: Path) -> None:
+    """One line when `folder` (made when first written) cannot be: it, or the nearest of its parents that exists,
+    is a file, or that parent is not writable."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise UserError(f"{flag} {folder}: {'it' if existing == folder else existing} is a file, not a folder")
+    if existing != folder and not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {folder}: {existing} is not writable")
+
+
+def newest_checkpoint(folder: Path, accelerator):
+    """The run's newest complete checkpoint (a damaged newer one is skipped, as on --resume, and named in one line);
+    it carries the flags of the start that wrote it (meta.json `args`)."""
     metas = sorted((folder / "checkpoints").glob("epoch_*/meta.json"), reverse=True)
     if not metas:
         raise UserError(f"--run {folder}: no checkpoint (not a run folder, or a run stopped before its first one)")
@@ -125,9 +148,12 @@ def newest_checkpoint(folder: Path, process_index: int):
         full_finetune = bool(json.loads(metas[0].read_text()).get("full_finetune"))
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         full_finetune = (metas[0].parent / "transformer").is_dir()
-    checkpoint, skipped = newest_complete_checkpoint(folder, full_finetune, process_index)
+    checkpoint, skipped = newest_complete_checkpoint(folder, full_finetune, accelerator.process_index)
     if checkpoint is None:
         raise UserError(f"--run {folder}: no complete checkpoint ({'; '.join(skipped) or 'none is left'})")
+    if skipped:
+        accelerator.print(f"note: --run {folder}: skipped checkpoints that do not load completely: "
+                          f"{'; '.join(skipped)}; scoring {checkpoint.folder.name} instead")
     if "args" not in checkpoint.meta:
         raise UserError(f"--run {folder}: {checkpoint.folder.name} was saved before checkpoints carried their "
                         f"settings; evaluate it with explicit flags")
@@ -145,6 +171,8 @@ def settings(args: Args, saved: dict | None) -> Namespace:
             values[name] = value
     values["eval_num_steps"] = values["eval_num_steps"] or values["num_steps"]  # unset: the rollout's steps
     values["dataset"] = values["dataset"] or default_dataset(values["model"])
+    if values["max_sequence_length"] is None:  # unset here and in the training defaults: the model's own
+        values["max_sequence_length"] = default_max_sequence_length(values["model"])
     return Namespace(**values)
 
 
@@ -185,9 +213,10 @@ def trained(checkpoint, s: Namespace, adapter):
     transformer = adapter.transformer
     if s.full_finetune:
         load_full_state_into(transformer, checkpoint.weights)
-        params = [p for p in transformer.parameters()]
+        params = full_finetune_parameters(transformer, adapter.unused_modules(transformer))  # the EMA's, as trained
     else:
-        add_lora(transformer, s.lora_rank, s.lora_alpha, adapter.lora_target_modules)
+        add_lora(transformer, s.lora_rank, s.lora_alpha, adapter.lora_target_modules,
+                 adapter.unused_modules(transformer))
         params = trainable_parameters(transformer)  # float32, as trained
         load_lora_state_into(transformer, checkpoint.weights, str(checkpoint.folder))
     ema = None
@@ -228,7 +257,7 @@ def main() -> None:
     check(args)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     grid_dir = Path(args.grid_dir)
-    checkpoints = [newest_checkpoint(Path(folder), accelerator.process_index) for folder in args.run]
+    checkpoints = [newest_checkpoint(Path(folder), accelerator) for folder in args.run]
     jobs = [(Path(folder), c) for folder, c in zip(args.run, checkpoints)] or [(None, None)]
     records = None
     if args.benchmark is not None:

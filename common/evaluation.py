@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from common.models.base import AudioVideo
-from common.parallel import gather_objects
+from common.parallel import gather_objects, scored_once
 from common.sampling import sample, sample_generators
 from common.scoring import condition_tensors, score_samples
 from common.tracking import log_image, save_image_grid, save_wav
@@ -46,18 +46,25 @@ def evaluate_prompts(adapter, accelerator, encode, rewards: list, prompts: list,
             images = decoded.video if isinstance(decoded, AudioVideo) else decoded
             texts = [prompts[i].prompt for i, _ in batch]
             conditions = [prompts[i].images for i, _ in batch]
-            named = {}
-            raw = score_samples(pointwise, decoded, texts, torch.tensor([prompts[i].key for i, _ in batch]),
-                                conditions=conditions, columns=named)
-            checks = {f"{r.name}_{name}": values for r in pointwise if hasattr(r.score, "checks")
-                      for name, values in r.score.checks(images, texts, *(
-                          [condition_tensors(conditions)] if r.wants_conditions else [])).items()}
-            checks.update({f"reward_{key}": values for key, values in named.items()})
-            if prompt_gap and len(prompts) > 1:  # the same samples, each against the next prompt's text
-                other = [(i + 1) % len(prompts) for i, _ in batch]
-                shuffled = score_samples(pointwise, decoded, [prompts[o].prompt for o in other],
-                                         torch.tensor([prompts[o].key for o in other]), conditions=conditions)
-                checks.update({f"prompt_gap_{r.name}": raw[:, k] - shuffled[:, k] for k, r in enumerate(pointwise)})
+
+            def score():  # called at once, in this iteration
+                named = {}
+                raw = score_samples(pointwise, decoded, texts, torch.tensor([prompts[i].key for i, _ in batch]),
+                                    conditions=conditions, columns=named)
+                checks = {f"{r.name}_{name}": values for r in pointwise if hasattr(r.score, "checks")
+                          for name, values in r.score.checks(images, texts, *(
+                              [condition_tensors(conditions)] if r.wants_conditions else [])).items()}
+                checks.update({f"reward_{key}": values for key, values in named.items()})
+                if prompt_gap and len(prompts) > 1:  # the same samples, each against the next prompt's text
+                    other = [(i + 1) % len(prompts) for i, _ in batch]
+                    shuffled = score_samples(pointwise, decoded, [prompts[o].prompt for o in other],
+                                             torch.tensor([prompts[o].key for o in other]), conditions=conditions)
+                    checks.update({f"prompt_gap_{r.name}": raw[:, k] - shuffled[:, k]
+                                   for k, r in enumerate(pointwise)})
+                return raw, checks
+
+            # the processes of a sequence-parallel group drew the same samples: one of them scores
+            raw, checks = scored_once(accelerator, score)
             for row, (i, s) in enumerate(batch):
                 shown = grid is not None and s < 8
                 sound = decoded[row].cpu() if shown and isinstance(decoded, AudioVideo) else None

@@ -47,6 +47,7 @@ class Guard:
         self.state: dict[str, dict] = {}
         self.rollbacks = 0
         self.kl_beta: float | None = None  # the KL weight the last rollback set (None: the flag's)
+        self.flag_kl_beta: float | None = None  # --kl-beta as given, once a rollback has changed it
         self.events: list[dict] = []  # every event so far: {"epoch", "judge", "action", "best_epoch"}
 
     @property
@@ -88,11 +89,13 @@ class Guard:
                             "best_epoch": event.best_epoch})
 
     def state_dict(self) -> dict:
-        return {"state": self.state, "rollbacks": self.rollbacks, "kl_beta": self.kl_beta, "events": self.events}
+        return {"state": self.state, "rollbacks": self.rollbacks, "kl_beta": self.kl_beta,
+                "flag_kl_beta": self.flag_kl_beta, "events": self.events}
 
     def load_state_dict(self, saved: dict) -> None:
         self.state = {k: dict(v) for k, v in saved["state"].items() if k in self.judges}
         self.rollbacks, self.kl_beta, self.events = saved["rollbacks"], saved["kl_beta"], list(saved["events"])
+        self.flag_kl_beta = saved["flag_kl_beta"]
 
 
 def prompt_gap_notes(metrics: dict, noise: float = 2.0) -> list[str]:

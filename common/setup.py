@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import time
+from argparse import Namespace
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +21,9 @@ from common.cache import PromptEncoder, cache_texts, condition_inputs, find_cach
 from common.checkpoint import (LORA_FILE, CheckpointError, clean_stale_writes, load_full_state_into,
                                load_lora_state_into, newest_complete_checkpoint, read_checkpoint, restore_rng,
                                save_checkpoint)
-from common.cli import run_defining_flags
+from common.cli import changed_on_resume, run_defining_flags
 from common.cluster import LOCK_FILE, exit_stopped, lock_output_dir, requested_stop, stop_after_epoch_on_signals
-from common.data import check_conditions, load_prompts, shard
+from common.data import check_conditions, load_prompts, prompts_digest, shard
 from common.distributed import (configure_backend, load_optimizer_state_dict, lora_state_dict, optimizer_state_dict,
                                 place_like, save_pretrained, staging_device, trainable)
 from common.evaluation import evaluate_prompts
@@ -34,7 +35,7 @@ from common.parallel import (DataParallel, check_world, device_mesh, enable_sequ
 from common.scoring import RolloutScoring, check_audio_rewards, check_video_rewards
 from common.shadow import ReferencePolicy, ShadowPolicy
 from common.tracking import MetricsLog, check_finite, format_metrics
-from common.training import EMA, add_lora, lr_scheduler, trainable_parameters
+from common.training import EMA, add_lora, full_finetune_parameters, lr_scheduler, trainable_parameters
 from common.utils import RunStopped, UserError, peak_memory_gb, resolve_dtype
 
 
@@ -127,10 +128,11 @@ def _checkpoint_written(output_dir: Path) -> bool:
     return (root / "latest").exists() or any(root.glob("epoch_*")) or any(root.glob(".epoch_*.old"))
 
 
-def _find_resume(args, output_dir: Path, rank: int):
+def _find_resume(args, output_dir: Path, rank: int, train_prompts: list):
     """(the checkpoint to resume from or None, the newer checkpoints skipped, whether a run stopped before its
-    first checkpoint is to be started again from scratch), or a one-line refusal. A folder where a checkpoint was
-    ever written is never restarted from scratch."""
+    first checkpoint is to be started again from scratch, a note for each flag that changed and may), or a one-line
+    refusal: of a folder where a checkpoint was ever written to be restarted from scratch, and of a change to a flag
+    that defines the run (common.cli.RESUMABLE_FLAGS lists those that may change) or to its training prompts."""
     metrics = output_dir / "metrics.jsonl"
     written = _checkpoint_written(output_dir)
     restart = not written and metrics.exists() and metrics.stat().st_size > 0
@@ -138,21 +140,34 @@ def _find_resume(args, output_dir: Path, rank: int):
         if written:
             raise UserError(f"{output_dir} already holds a run: pass --resume to continue it or choose another "
                             f"--output-dir")
-        return None, [], restart
+        return None, [], restart, []
     checkpoint, skipped = newest_complete_checkpoint(output_dir, args.full_finetune, rank)
     if checkpoint is None:
         if written:
             why = "; ".join(skipped) if skipped else "none is left"
             raise UserError(f"--resume: {output_dir} holds a run but no complete checkpoint ({why}); refusing to "
                             f"start it again from scratch: move it away or choose another --output-dir")
-        return None, skipped, restart
-    saved = checkpoint.meta.get("run", {})
-    for name, value in run_defining_flags(args).items():
-        if name in saved and saved[name] != value:
-            flag = "the script" if name == "algorithm" else f"--{name.replace('_', '-')}"
-            raise UserError(f"--resume: {flag} is {value!r} but the run in {output_dir} was started with "
-                            f"{saved[name]!r}; it defines the run, so it cannot change on resume")
-    return checkpoint, skipped, False
+        return None, skipped, restart, []
+    meta = checkpoint.meta
+    algorithm = run_defining_flags(args)["algorithm"]
+    if meta.get("run", {}).get("algorithm", algorithm) != algorithm:
+        raise UserError(f"--resume: the script is {algorithm!r} but the run in {output_dir} was started with "
+                        f"{meta['run']['algorithm']!r}; it defines the run, so it cannot change on resume")
+    # `args`: every flag of the start that wrote the checkpoint; `run`: the few recorded before it (older ones).
+    saved = {**meta.get("run", {}), **meta.get("args", {})}
+    by_content = "prompts_sha256" in meta  # then the training prompts are compared, wherever their folder is now
+    defining, others = changed_on_resume(args, saved, also_resumable=("dataset",) if by_content else ())
+    refused = [f"{flag} is {now!r} but the run in {output_dir} was started with {then!r}"
+               for flag, now, then in defining]
+    if by_content and meta["prompts_sha256"] != prompts_digest(train_prompts):
+        refused.append(f"the training prompts of {args.dataset} are not those of the run in {output_dir}")
+    if refused:
+        raise UserError(f"--resume: {'; '.join(refused)}; "
+                        f"{'it defines' if len(refused) == 1 else 'these define'} the run, so "
+                        f"{'it' if len(refused) == 1 else 'they'} cannot change on resume")
+    notes = [f"note: {flag} is {now!r}, not {then!r} as when {checkpoint.folder.name} was saved"
+             for flag, now, then in others]
+    return checkpoint, skipped, False, notes
 
 
 def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bool = False,
@@ -196,7 +211,7 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
         raise UserError(f"{args.exp_name} is CFG-free: --guidance-scale {args.guidance_scale} would turn on true CFG "
                         f"for {args.model}; leave it unset (1.0)")
     _claim_output_dir(accelerator, output_dir)
-    checkpoint, skipped, restart = _find_resume(args, output_dir, rank)
+    checkpoint, skipped, restart, notes = _find_resume(args, output_dir, rank, train_prompts)
 
     torch.manual_seed(args.seed)
     dtype = resolve_dtype(args.dtype, accelerator.device)
@@ -227,9 +242,11 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
     if args.full_finetune:
         if reference_copy:  # a frozen copy is the only reference a full fine-tune has
             frozen_copy = copy.deepcopy(transformer).requires_grad_(False)
-        transformer.requires_grad_(True)
+        for param in full_finetune_parameters(transformer, adapter.unused_modules(transformer)):
+            param.requires_grad_(True)
     else:
-        add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_target_modules)
+        add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_target_modules,
+                 adapter.unused_modules(transformer))
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     params = trainable_parameters(transformer)
@@ -256,7 +273,8 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
     if guard_mode != "off":
         run.guard = Guard([j.name for j in judges], guard_mode, args.guard_patience, args.guard_margin)
     # Every transformer a script runs: the trained one, a frozen reference copy, the shadows' copies.
-    run.flops.attach(unwrapped, reference.copy, *(getattr(s, "module", None) for s in shadow_policies.values()))
+    run.flops.attach(unwrapped, reference.copy, *(getattr(s, "module", None) for s in shadow_policies.values()),
+                     adapter=adapter)
     if accelerator.is_main_process:
         stale = clean_stale_writes(output_dir)
         if stale:
@@ -269,6 +287,8 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
     if checkpoint is not None:
         _restore(run, checkpoint)
         accelerator.print(f"resumed from {checkpoint.folder} at epoch {run.start_epoch}")
+        for note in notes:
+            accelerator.print(note)
         saved_by = len(list(checkpoint.folder.glob("rng_*.pt")))
         if saved_by != accelerator.num_processes:  # allowed: draws depend on (seed, epoch), not on the processes
             accelerator.print(f"note: {checkpoint.folder.name} was saved by {saved_by} process"
@@ -432,6 +452,7 @@ def _guard_acts(run: Run, epoch: int, metrics: dict) -> None:
             raise RunStopped(f"guard: {event.line()}; cannot roll back to {folder} ({err})") from None
         _load_state(run, checkpoint)
         guard.rollbacks += 1
+        guard.flag_kl_beta = args.kl_beta if guard.kl_beta is None else guard.flag_kl_beta
         guard.kl_beta = args.kl_beta = max(args.kl_beta * args.guard_kl_factor, args.guard_kl_floor)
         guard.record(event, "rollback")
         metrics.update(guard_rollbacks=float(guard.rollbacks), guard_kl_beta=args.kl_beta)
@@ -506,8 +527,12 @@ def save(run: Run, epoch: int, meta: dict | None = None) -> None:
 
     # `args`: every flag of the start that wrote it and the guidance it resolved to, so that evaluate.py scores
     # the checkpoint as this run evaluated it.
-    settings = json.loads(json.dumps(vars(args), default=str))
-    info = {"run": run_defining_flags(args), "model": args.model, "full_finetune": args.full_finetune,
+    flags = dict(vars(args))
+    if run.guard is not None and run.guard.kl_beta is not None:  # the flag as given: a rollback's raise is guard state
+        flags["kl_beta"] = run.guard.flag_kl_beta
+    settings = json.loads(json.dumps(flags, default=str))
+    info = {"run": run_defining_flags(Namespace(**flags)), "prompts_sha256": prompts_digest(run.train_prompts),
+            "model": args.model, "full_finetune": args.full_finetune,
             "weights": "transformer" if args.full_finetune else LORA_FILE, "optimizer_steps": run.optimizer_steps,
             "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"), "args": {**settings, "guidance": run.guidance},
             **({"guard": run.guard.state_dict()} if run.guard is not None else {}), **(meta or {})}

@@ -50,10 +50,10 @@ from rewards.jpeg import jpeg_compressibility, jpeg_incompressibility
 from rewards.ocr import OcrReward
 from rewards.qwen_vl import EditReward, HPSv3, VideoAlign
 from rewards.remote import RemoteReward
-from rewards.toy import ToyColourShare, ToyReward
-from rewards.toy_edit import ToyEditReward
-from rewards.toy_video import ToyVideoReward
 from rewards.vlm_judge import VlmJudge
+from worlds.toy.reward import ToyColourShare, ToyReward
+from worlds.toy_edit.reward import ToyEditReward
+from worlds.toy_video.reward import ToyVideoReward
 
 
 # name -> (factory(device, dtype, **options) -> score callable, groupwise). A score object's own `groupwise`

@@ -139,6 +139,12 @@ def test_rollback_restores_exactly_the_checkpoint_of_the_judges_best_evaluation(
         assert _equal(a, b), name
     assert meta(after)["optimizer_steps"] == meta(best)["optimizer_steps"]
     assert meta(after)["guard"]["kl_beta"] == 0.01  # and the raised KL weight is part of the state
+    # The same command resumes it (the raise is the guard's state, not a changed --kl-beta), at the raised weight.
+    last = lines[-1]["epoch"]
+    run_script("algos/grpo.py", *HACK, "--epochs", str(last + 2), "--guard", "rollback", "--guard-patience", "1",
+               "--guard-max-rollbacks", "5", "--keep-checkpoints", "20", "--output-dir", out, "--resume")
+    resumed = meta(out / "checkpoints" / f"epoch_{last + 1:06d}")
+    assert resumed["args"]["kl_beta"] == 0.0 and resumed["guard"]["kl_beta"] >= 0.01
 
 
 def _equal(a, b) -> bool:

@@ -1,4 +1,4 @@
-"""The toy world's exact reward (common/toy.py): GenEval-style checks of a 32×32 image by pixel analysis,
+"""The toy world's exact reward (worlds/toy/world.py): GenEval-style checks of a 32×32 image by pixel analysis,
 no learned model, about a millisecond per image.
 
 Pixels are classed by colour (hue windows around the drawn hues; bright unsaturated or off-hue pixels are "other",
@@ -20,7 +20,7 @@ Five checks per image, the prompt's parts in turn:
 import numpy as np
 import torch
 
-from common.toy import RESOLUTION, parse_prompt
+from worlds.toy.world import RESOLUTION, parse_prompt
 
 CLASSES = ("red", "yellow", "green", "blue", "other")
 # Hue windows in degrees, [start, end): they tile the circle, so a drifted hue is still named. Cyan and magenta,
