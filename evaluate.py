@@ -61,6 +61,9 @@ class Args:
     reward: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
     """a reward as NAME[:WEIGHT][,KEY=VALUE...]; repeat for several (without --run and none given:
     jpeg_compressibility)"""
+    judge: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
+    """a held-out judge (the --reward syntax), logged as eval_judge_<name>; repeat for several (with --run: the run's
+    own --judge flags unless given)"""
     resolution: int | None = None
     max_sequence_length: int | None = None
     num_frames: int | None = None
@@ -93,7 +96,7 @@ class Args:
 
 
 # With --run, the flags that may differ from the run's own: what is evaluated and where the model is found.
-EVAL_FLAGS = ("eval_num_prompts", "eval_seeds", "eval_num_steps", "batch_size", "reward", "dataset",
+EVAL_FLAGS = ("eval_num_prompts", "eval_seeds", "eval_num_steps", "batch_size", "reward", "judge", "dataset",
               "guidance_scale", "model_path", "cache_dir", "reward_device", "attention_backend")
 
 

@@ -91,6 +91,10 @@ PRESETS = {
                            kl_beta=0.01, lora_rank=64, lora_alpha=128, epochs=1000, eval_every=20, save_every=20),
     **flowfactory.GRPO,  # Flow-Factory's examples, one model each (recipes/flowfactory.py, docs/recipes.md)
 }
+# The guard's demonstration (docs/guard.md): the toy setting trained on a hackable reward, the share of the canvas in
+# the prompt's colour, with the toy world's strict checks as the held-out judge.
+PRESETS["toy-hack"] = dict(PRESETS["toy"], reward=["toy_colour_share"], judge=["toy,mode=strict"],
+                           epochs=40, eval_every=5, save_every=10)
 
 
 if __name__ == "__main__":

@@ -95,6 +95,10 @@ PRESETS = {
                       lora_alpha=128, nft_beta=0.1, kl_beta=1e-4, decay_flat=75, decay_uprate=0.0075,
                       decay_uphold=0.999, epochs=1000, eval_every=20, save_every=20),
 }
+# The guard's demonstration (docs/guard.md): the toy setting trained on a hackable reward, the share of the canvas in
+# the prompt's colour, with the toy world's strict checks as the held-out judge.
+PRESETS["toy-hack"] = dict(PRESETS["toy"], reward=["toy_colour_share"], judge=["toy,mode=strict"],
+                           epochs=60, eval_every=5, save_every=10)
 
 
 def old_decay(step: int, flat: int, uprate: float, uphold: float) -> float:

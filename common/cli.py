@@ -105,6 +105,23 @@ class TrainArgs:
     """normalise advantages by the std over the whole epoch instead of the group's own (the references' default)"""
     adv_clip_max: float = 5.0
     """advantages are clamped to ±this"""
+    judge: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
+    """a held-out judge: a reward (the --reward syntax) scored only at evaluation, on the test prompts, never trained
+    on; logged as eval_judge_<name> and watched by --guard; repeat the flag for several (docs/guard.md)"""
+    guard: Literal["off", "warn", "stop", "rollback"] | None = None
+    """what the reward-hacking guard does when a judge stays below its best while the training reward's evaluation
+    rises: warn (one line, a metrics key), stop (checkpoint, exit 3), rollback (restore the judge's best checkpoint,
+    raise the KL weight, go on) (unset: warn with a --judge, else off)"""
+    guard_patience: int = 2
+    """evaluations in a row a judge must be hacked before the guard acts"""
+    guard_margin: float = 2.0
+    """how far below its best a judge must be, in standard errors of the difference of the two evaluations"""
+    guard_kl_factor: float = 10.0
+    """rollback: the KL weight (--kl-beta) is multiplied by this …"""
+    guard_kl_floor: float = 0.01
+    """… and raised to at least this (so a run with no KL gets one)"""
+    guard_max_rollbacks: int = 2
+    """rollback: the guard stops the run (as --guard stop) when hacking is found after this many rollbacks"""
 
     # Training
     epochs: int = 300
@@ -273,8 +290,9 @@ _AT_LEAST = [("epochs", 1, ""), ("prompts_per_epoch", 1, ""), ("group_size", 2, 
              ("lr_warmup_steps", 0, ""), ("lora_rank", 1, ""), ("max_sequence_length", 1, ""), ("resolution", 1, ""),
              ("eval_every", 0, ""), ("eval_num_prompts", 1, ""), ("eval_seeds", 1, ""), ("save_every", 0, ""),
              ("keep_checkpoints", 1, ""), ("weight_decay", 0, ""), ("reward_workers", 0, ""),
-             ("sequence_parallel", 1, "")]
-_POSITIVE = ["lora_alpha", "max_grad_norm", "adv_clip_max"]
+             ("sequence_parallel", 1, ""), ("guard_patience", 1, ""), ("guard_margin", 0, ""),
+             ("guard_kl_factor", 1, ""), ("guard_max_rollbacks", 1, "")]
+_POSITIVE = ["lora_alpha", "max_grad_norm", "adv_clip_max", "guard_kl_floor"]
 
 
 def launched_data_ranks(args) -> int:
@@ -311,9 +329,26 @@ def check_args(args) -> None:
                         "--train-experts to pick the experts")
     if args.num_frames is not None and args.model not in VIDEO_MODELS:
         raise UserError(f"--num-frames applies to video models ({', '.join(VIDEO_MODELS)}), not to {args.model}")
+    check_guard(args)
     if args.condition_size is not None and args.model not in CONDITIONED_MODELS:
         raise UserError(f"--condition-size applies to conditioned models ({', '.join(CONDITIONED_MODELS)}), "
                         f"not to {args.model}")
+
+
+def check_guard(args) -> None:
+    """--guard's default (warn with a judge, else off) and the settings it cannot act on."""
+    if args.guard is None:
+        args.guard = "warn" if args.judge else "off"
+    if args.guard == "off":
+        return
+    if not args.judge:
+        raise UserError(f"--guard {args.guard} watches judges: give at least one --judge (e.g. --judge "
+                        f"toy,mode=strict)")
+    if not args.eval_every:
+        raise UserError(f"--guard {args.guard} acts at evaluations: --eval-every must be at least 1")
+    if args.guard == "rollback" and not hasattr(args, "kl_beta"):
+        raise UserError("--guard rollback raises the KL weight, and this script has none (--kl-beta): use --guard "
+                        "warn or stop")
 
 
 # The flags a --resume may change, each named in one printed line (docs/running.md#outputs-checkpoints-resume): how
@@ -326,7 +361,10 @@ RESUMABLE_FLAGS = ("exp_name", "preset", "track", "wandb_project", "dtype", "cac
                    "epochs", "batch_size", "learning_rate", "lr_schedule", "lr_warmup_steps", "weight_decay",
                    "max_grad_norm", "ema", "ema_decay", "gradient_checkpointing", "reward_device", "reward_workers",
                    "sequence_parallel", "peak_tflops", "eval_every", "eval_num_prompts", "eval_seeds",
-                   "eval_num_steps", "save_every", "keep_checkpoints", "offload_trajectories")
+                   "eval_num_steps", "save_every", "keep_checkpoints", "offload_trajectories",
+                   # the held-out judges and the guard watch the run; they change neither samples nor objective
+                   "judge", "guard", "guard_patience", "guard_margin", "guard_kl_factor", "guard_kl_floor",
+                   "guard_max_rollbacks")
 _WHERE = ("output_dir", "resume")  # where the run is, and that it goes on: never compared
 
 

@@ -15,7 +15,7 @@ from common.tracking import log_image, save_image_grid, save_wav
 
 def evaluate_prompts(adapter, accelerator, encode, rewards: list, prompts: list, seeds_per_prompt: int,
                      num_steps: int, batch_size: int, guidance: float, grid: Path | None = None,
-                     step: int = 0, best_of: bool = False) -> dict:
+                     step: int = 0, best_of: bool = False, prompt_gap: bool = False) -> dict:
     """Euler-ODE samples of `prompts` × `seeds_per_prompt` fixed seeds with the adapter's transformer as it is now,
     split over the processes (`accelerator`: an Accelerator, or a common.parallel.DataParallel whose data-parallel
     ranks split them) in batches of `batch_size`: each pointwise reward's mean (`eval_reward_<name>`, and
@@ -26,7 +26,11 @@ def evaluate_prompts(adapter, accelerator, encode, rewards: list, prompts: list,
     samples (the first 8 seeds; conditioned prompts: their condition image first) and sends it to the trackers at
     `step`. With `best_of`, also `eval_<key>_best_of_<seeds>`: the mean over prompts of each prompt's best sample
     (for a pass/fail check, the share of prompts that some seed gets right). Audio-video models: the grid shows the
-    frames, and each sample in it has its sound beside the grid, `<grid name>_audio/prompt<i>_seed<s>.wav`."""
+    frames, and each sample in it has its sound beside the grid, `<grid name>_audio/prompt<i>_seed<s>.wav`.
+    Judges (`Reward.judge`, --judge) are scored like rewards but logged as `eval_judge_<name>` and left out of
+    eval_reward_mean. With `prompt_gap`, every reward and judge also scores each sample against another prompt (the
+    next one of `prompts`, a fixed derangement): `prompt_gap_<name>` = mean own − mean shuffled score, with its
+    standard error over the samples' paired differences."""
     items = [(i, s) for i in range(len(prompts)) for s in range(seeds_per_prompt)]
     sigmas = adapter.sigmas(num_steps)
     pointwise = [r for r in rewards if not r.groupwise]
@@ -50,7 +54,14 @@ def evaluate_prompts(adapter, accelerator, encode, rewards: list, prompts: list,
                 checks = {f"{r.name}_{name}": values for r in pointwise if hasattr(r.score, "checks")
                           for name, values in r.score.checks(images, texts, *(
                               [condition_tensors(conditions)] if r.wants_conditions else [])).items()}
-                return raw, {**checks, **{f"reward_{key}": values for key, values in named.items()}}
+                checks.update({f"reward_{key}": values for key, values in named.items()})
+                if prompt_gap and len(prompts) > 1:  # the same samples, each against the next prompt's text
+                    other = [(i + 1) % len(prompts) for i, _ in batch]
+                    shuffled = score_samples(pointwise, decoded, [prompts[o].prompt for o in other],
+                                             torch.tensor([prompts[o].key for o in other]), conditions=conditions)
+                    checks.update({f"prompt_gap_{r.name}": raw[:, k] - shuffled[:, k]
+                                   for k, r in enumerate(pointwise)})
+                return raw, checks
 
             # the processes of a sequence-parallel group drew the same samples: one of them scores
             raw, checks = scored_once(accelerator, score)
@@ -61,14 +72,16 @@ def evaluate_prompts(adapter, accelerator, encode, rewards: list, prompts: list,
                                 images[row].cpu() if shown else None, sound))
     results = sorted(gather_objects(accelerator, results), key=lambda item: item[0])
     raw = torch.tensor([r[1] for r in results], dtype=torch.float64)
-    weights = torch.tensor([r.weight for r in pointwise], dtype=torch.float64)
-    columns = {"reward_mean": raw @ weights, **{f"reward_{r.name}": raw[:, k] for k, r in enumerate(pointwise)},
+    weights = torch.tensor([0.0 if r.judge else r.weight for r in pointwise], dtype=torch.float64)
+    columns = {"reward_mean": raw @ weights,
+               **{f"{'judge' if r.judge else 'reward'}_{r.name}": raw[:, k] for k, r in enumerate(pointwise)},
                **{key: torch.tensor([r[2][key] for r in results], dtype=torch.float64) for key in results[0][2]}}
     out = {}
     for key, values in columns.items():
-        out[f"eval_{key}"] = float(values.mean())
-        out[f"eval_{key}_se"] = float(values.std() / len(values) ** 0.5) if len(values) > 1 else 0.0
-        if best_of:  # results are sorted prompt-major
+        name = key if key.startswith("prompt_gap_") else f"eval_{key}"
+        out[name] = float(values.mean())
+        out[f"{name}_se"] = float(values.std() / len(values) ** 0.5) if len(values) > 1 else 0.0
+        if best_of and not key.startswith("prompt_gap_"):  # results are sorted prompt-major
             out[f"eval_{key}_best_of_{seeds_per_prompt}"] = float(values.view(len(prompts), -1).amax(1).mean())
     if grid is not None and accelerator.is_main_process:
         shown = min(seeds_per_prompt, 8)

@@ -31,6 +31,7 @@ class Reward:
     wants_conditions: bool = False  # called with the samples' condition images (edit, image-to-video rewards)
     video: bool = False  # called with whole clips (B, F, 3, H, W) instead of frame by frame
     wants_audio: bool = False  # called with whole clips and the waveforms (audio-video models)
+    judge: bool = False  # --judge: scored at evaluation only, never trained on (common.guard)
 
 
 def check_video_rewards(rewards: list[Reward], model: str, makes_video: bool) -> None:

@@ -201,3 +201,22 @@ class ToyReward:
 
     def __call__(self, images, prompts) -> np.ndarray:
         return self.checks(images, prompts)[self.mode]
+
+
+class ToyColourShare:
+    """`--reward toy_colour_share`: the share of the canvas classed as the prompt's colour (`classify_pixels`).
+    Anchored to the prompt (another colour scores low) and hackable on purpose: flooding the canvas with that colour
+    maximises it while count, shape and position fail — the training reward of the `toy-hack` presets, which watch
+    `toy,mode=strict` as the judge (docs/guard.md)."""
+
+    groupwise = False
+
+    def __call__(self, images, prompts) -> np.ndarray:
+        if isinstance(images, torch.Tensor):
+            images = images.detach().float().cpu().numpy()
+        images = np.asarray(images, dtype=np.float32)
+        if images.ndim != 4 or images.shape[1] != 3 or len(images) != len(prompts):
+            raise ValueError(f"expected images (B, 3, H, W) for {len(prompts)} prompts, got shape {images.shape}")
+        classes = classify_pixels(images.transpose(0, 2, 3, 1).clip(0, 1))
+        wanted = np.array([CLASSES.index(parse_prompt(p).colour) for p in prompts])
+        return (classes == wanted[:, None, None]).mean((1, 2)).astype(np.float64)
