@@ -225,7 +225,7 @@ def toy_clip(tmp_path_factory):
     no hub here for the real CLIP)."""
     from transformers import CLIPModel, CLIPProcessor
 
-    from common.toy import load_toy_split, render_batch
+    from worlds.toy.world import load_toy_split, render_batch
     from rewards.clip import build_tiny_clip, to_pil
 
     folder = tmp_path_factory.mktemp("toy-clip")
