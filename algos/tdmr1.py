@@ -318,6 +318,43 @@ def dgpo_loss(loss_theta, loss_ref, advantages, groups, beta_dpo: float, group_s
     return weight.to(loss_theta.dtype) * advantages * loss_theta, weight, logit
 
 
+def surrogate_loss(v_s, v_ref, v_old, target, advantages, groups, group_size: int, step: int, num_steps: int,
+                   beta_pref: float, beta_ref: float, clip_range: float, threshold: float, ema_ref: bool = False,
+                   reduce=lambda anchor: anchor):
+    """L_S per sample at the surrogate's step j′ = `step`: ω·(L_pref + β_ref·D), ω = (j′ + 1)/N, where L_pref is
+    DGPO's `dgpo_loss` on ℓ_S (detached where the trust region `dsm_clip` against S̄ or the runaway gate clips),
+    referenced to the teacher's ℓ_R (S̄'s with `ema_ref`), and D = mean (v_S − v_R)² one number over the
+    micro-batch (its gate value `reduce(D)`: the mean over every process). v_ref and v_old are frozen queries.
+    Returns (L_S (B,), parts: ℓ_S, ℓ_R, ℓ_S̄, pref, D, σ(s_g), trust-clipped, runaway-clipped)."""
+    loss_s, loss_ref, loss_old = mse(v_s, target), mse(v_ref, target), mse(v_old, target)
+    _, clipped = dsm_clip(loss_s, loss_old, advantages, clip_range)
+    anchor = mse(v_s, v_ref.detach()).mean()
+    _, runaway = runaway_clip(loss_s, loss_ref, advantages, reduce(anchor.detach()), threshold)
+    trained = torch.where(clipped | runaway, loss_s.detach(), loss_s)
+    pref, group_weight, _ = dgpo_loss(trained, loss_old if ema_ref else loss_ref, advantages, groups, beta_pref,
+                                      group_size)
+    loss = (step + 1) / num_steps * (pref + beta_ref * anchor)
+    return loss, dict(loss_s=loss_s, loss_ref=loss_ref, loss_old=loss_old, pref=pref, anchor=anchor,
+                      group_weight=group_weight, clipped=clipped, runaway=runaway)
+
+
+def generator_loss(x0, c_kl, c_cfg, c_reward, norm, norm_s, tdm_weight: float, mode: str):
+    """L_G per sample from the generator's x̂0 (with grad) and the detached corrections: with ℓ = revised_x0_loss,
+    mode "tdm" (--no-rl): ℓ(c_KL, n) + ℓ(c_CFG, n); "reward" (j < T_rl): ℓ(c_KL, n) + w·ℓ(c_CFG, n) +
+    (1 − w)·ℓ(c_R, n_S); "late" (j ≥ T_rl): w·(ℓ(c_KL, n) + ℓ(c_CFG, n)) (the authors' factor w on the TDM term).
+    c_CFG / c_R None: that term is 0. Returns (L_G, TDM term, CFG term, reward term), each (B,)."""
+    tdm = revised_x0_loss(x0, c_kl, norm)
+    cfg = revised_x0_loss(x0, c_cfg, norm) if c_cfg is not None else torch.zeros_like(tdm)
+    reward = revised_x0_loss(x0, c_reward, norm_s) if mode == "reward" else torch.zeros_like(tdm)
+    if mode == "tdm":
+        loss = tdm + cfg
+    elif mode == "reward":
+        loss = tdm + tdm_weight * cfg + (1 - tdm_weight) * reward
+    else:
+        loss = tdm_weight * (tdm + cfg)
+    return loss, tdm, cfg, reward
+
+
 def old_decay(steps_before: int, rate: float, cap: float) -> float:
     """d of the S̄ blend after the surrogate step taken after `steps_before` others: min(cap, rate·(1 + k))."""
     return min(cap, rate * (1 + steps_before))
@@ -403,6 +440,7 @@ if __name__ == "__main__":
                         f"(each holds whole groups)")
     rl_steps = num_steps if args.rl_steps is None else args.rl_steps
     plain = 1.0 if adapter.true_cfg else run.guidance  # CFG-free queries (FLUX.1: its guidance embedding)
+    teacher_cfg, surrogate_cfg = (args.teacher_cfg, args.surrogate_cfg) if adapter.true_cfg else (plain, plain)
     shift = args.query_shift or schedule_shift(adapter, num_steps)
     run.accelerator.print(f"query-time shift s = {shift:.4f}")
     local_count = run.local.stop - run.local.start
@@ -515,24 +553,20 @@ if __name__ == "__main__":
                         target_s = surrogate_target(x_s, z, beta_s, sigma_s)
                         v_ref = run.reference.velocity(x_s, sigma_s, c, plain)  # frozen queries first
                         v_old = surrogate_old.velocity(x_s, sigma_s, c, plain)
-                        loss_ref, loss_old = mse(v_ref, target_s), mse(v_old, target_s)
                         with role_backward(run.accelerator, run.transformer), surrogate.trained():
                             v_s = adapter.velocity(x_s, sigma_s, c, plain)
-                            loss_s = mse(v_s, target_s)
-                            _, clipped = dsm_clip(loss_s, loss_old, adv, args.clip_range)
-                            anchor = mse(v_s, v_ref).mean()  # D, one number over the micro-batch
-                            anchor_all = run.data.reduce(anchor.detach(), "mean")  # the gate's D: every process
-                            _, runaway = runaway_clip(loss_s, loss_ref, adv, anchor_all, args.runaway_threshold)
-                            trained = torch.where(clipped | runaway, loss_s.detach(), loss_s)
-                            pref, group_weight, _ = dgpo_loss(trained, loss_old if args.surrogate_ema_ref else loss_ref,
-                                                              adv, local_groups, args.beta_pref, size)
-                            loss_surrogate = (j_s + 1) / num_steps * (pref + args.beta_ref * anchor)
+                            loss_surrogate, part = surrogate_loss(
+                                v_s, v_ref, v_old, target_s, adv, local_groups, size, j_s, num_steps, args.beta_pref,
+                                args.beta_ref, args.clip_range, args.runaway_threshold, args.surrogate_ema_ref,
+                                reduce=lambda anchor: run.data.reduce(anchor, "mean"))  # the gate's D: all processes
                             run.accelerator.backward((weight * loss_surrogate).sum() / num_train)
                         with torch.no_grad():
-                            for key, value in (("surrogate_loss", loss_surrogate), ("surrogate_dsm_loss", loss_s),
-                                               ("surrogate_value_delta", loss_s - loss_ref), ("pref_loss", pref),
-                                               ("anchor", anchor), ("group_weight_mean", group_weight),
-                                               ("clipfrac", clipped.float()), ("runaway_frac", runaway.float()),
+                            for key, value in (("surrogate_loss", loss_surrogate), ("surrogate_dsm_loss", part["loss_s"]),
+                                               ("surrogate_value_delta", part["loss_s"] - part["loss_ref"]),
+                                               ("pref_loss", part["pref"]), ("anchor", part["anchor"]),
+                                               ("group_weight_mean", part["group_weight"]),
+                                               ("clipfrac", part["clipped"].float()),
+                                               ("runaway_frac", part["runaway"].float()),
                                                ("surrogate_drift", mse(v_s, v_old)), ("sigma_surrogate", sigma_s)):
                                 stats[key].append(value.float().mean())
 
@@ -546,7 +580,7 @@ if __name__ == "__main__":
                         x0_cond = x_tau - per_sample(sigma_tau, x_tau) * run.reference.velocity(x_tau, sigma_tau, c,
                                                                                                 plain)
                         x0_guided = x0_cond if args.teacher_cfg == 1 else x_tau - per_sample(sigma_tau, x_tau) * \
-                            run.reference.velocity(x_tau, sigma_tau, c, args.teacher_cfg)
+                            run.reference.velocity(x_tau, sigma_tau, c, teacher_cfg)
                         x0_fake = x_tau - per_sample(sigma_tau, x_tau) * fake.velocity(x_tau, sigma_tau, c, plain)
                         c_kl = x0_cond - x0_fake  # the conditional teacher minus the fake score
                         # λ·(x̂0_c − x̂0_u), read off the guided teacher: x̂0^w − x̂0_c = (w − 1)·(x̂0_c − x̂0_u)
@@ -562,22 +596,16 @@ if __name__ == "__main__":
                                             x_j)[:, 0]
                             x_r, _, _ = renoise(x_bar, sigma_next, sigma_r, z)
                             x0_sur = x_r - per_sample(sigma_r, x_r) * surrogate.velocity(x_r, sigma_r, c,
-                                                                                         args.surrogate_cfg)
-                            ref_cfg = args.surrogate_cfg if args.surrogate_ref_cfg else plain
+                                                                                         surrogate_cfg)
+                            ref_cfg = surrogate_cfg if args.surrogate_ref_cfg else plain
                             x0_ref = x_r - per_sample(sigma_r, x_r) * run.reference.velocity(x_r, sigma_r, c, ref_cfg)
                             c_reward, norm_s = x0_sur - x0_ref, normaliser(x0_gen, x0_sur)
+                    mode = "tdm" if surrogate is None else "reward" if reward_step else "late"
                     with role_backward(run.accelerator, run.transformer):
                         x0 = x_j - sigmas[j] * adapter.velocity(x_j, sigma_j, c, plain)  # with grad: the generator
-                        tdm_term = revised_x0_loss(x0, c_kl, norm)
-                        cfg_term = revised_x0_loss(x0, c_cfg, norm) if c_cfg is not None else torch.zeros_like(tdm_term)
-                        reward_term = revised_x0_loss(x0, c_reward, norm_s) if reward_step \
-                            else torch.zeros_like(tdm_term)
-                        if surrogate is None:  # --no-rl: TDM
-                            loss = tdm_term + cfg_term
-                        elif reward_step:
-                            loss = tdm_term + args.tdm_weight * cfg_term + (1 - args.tdm_weight) * reward_term
-                        else:
-                            loss = args.tdm_weight * (tdm_term + cfg_term)
+                        loss, tdm_term, cfg_term, reward_term = generator_loss(
+                            x0, c_kl, c_cfg, c_reward if reward_step else None, norm, norm_s if reward_step else None,
+                            args.tdm_weight, mode)
                         run.accelerator.backward((weight * loss).sum() / num_train)
                     with torch.no_grad():
                         for key, value in (("loss", loss), ("tdm_term", tdm_term), ("cfg_term", cfg_term),
