@@ -507,3 +507,20 @@ def test_sd3_ocr_preset_holds_the_authors_setting():
 
 
 # ---- learning on the toy world (full tier) ---------------------------------------------------------------------
+@pytest.mark.parametrize("state,message", [
+    (dict(is_fsdp2=True, distributed_type="FSDP"), "FSDP2 and DeepSpeed are not supported yet"),
+    (dict(is_fsdp2=False, distributed_type="DEEPSPEED"), "FSDP2 and DeepSpeed are not supported yet"),
+])
+def test_trained_roles_refuse_fsdp2_and_deepspeed_in_one_line(state, message):
+    """accelerate runs DDP on CPUs whatever its config asks, so the refusal is checked on the accelerator's state."""
+    from accelerate.utils import DistributedType
+
+    from common.roles import check_roles
+    from common.utils import UserError
+
+    accelerator = SimpleNamespace(is_fsdp2=state["is_fsdp2"], distributed_type=DistributedType[state["distributed_type"]])
+    with pytest.raises(UserError, match=message):
+        check_roles(SimpleNamespace(full_finetune=False, sequence_parallel=1), accelerator)
+    with pytest.raises(UserError, match="--sequence-parallel"):
+        check_roles(SimpleNamespace(full_finetune=False, sequence_parallel=2), SimpleNamespace(
+            is_fsdp2=False, distributed_type=DistributedType.MULTI_GPU))
