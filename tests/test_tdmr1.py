@@ -422,6 +422,21 @@ def test_no_rl_is_plain_tdm(tmp_path, tiny_flux_path):
     assert "role_fake" in states and "role_surrogate" not in states
 
 
+@pytest.mark.parametrize("reference_cfg", [False, True])
+def test_a_true_cfg_model_at_step_zero(tmp_path, reference_cfg):
+    """6. on the tiny SD3 (true CFG; the authors' w_R 4.5, λ 3.5, w_S 4.5): with every adapter fresh the TDM term is
+    0, the CFG term is not, and the learned-reward term is (w_S − 1)·(x̂0_c − x̂0_u) ≠ 0 in the authors' form, 0 with
+    --surrogate-ref-cfg (Flow-Factory's: the teacher at w_S too)."""
+    run_script("algos/tdmr1.py", *TINY, "--model", "sd3", "--model-path", "tiny", "--resolution", "32",
+               "--max-sequence-length", "16", "--epochs", "1", "--prompts-per-epoch", "1", "--group-size", "4",
+               "--batch-size", "4", "--eval-every", "1", "--eval-num-prompts", "1",
+               *(["--surrogate-ref-cfg"] if reference_cfg else []), "--output-dir", tmp_path)
+    (m,) = read_metrics(tmp_path)
+    assert m["tdm_term"] == 0 and m["cfg_term"] > 0 and m["replay_error"] == 0
+    assert (m["reward_term"] == 0) == reference_cfg
+    assert m["group_weight_mean"] == 0.5 and m["anchor"] == 0
+
+
 @SLOW
 def test_kill_and_resume_restores_every_role_exactly(tmp_path, tiny_flux_path):
     """SIGKILL after the epoch-3 checkpoint; the resumed run's metrics (every role's losses and gradient norms, S̄'s
