@@ -28,10 +28,10 @@ from common.cli import CONDITIONED_MODELS, AttentionBackend, ModelName, TrainArg
 from common.data import Prompt, check_conditions, default_dataset, load_prompts
 from common.evaluation import evaluate_prompts, load_hf_reference, save_hf_reference
 from common.init_lora import init_lora_folder, load_init_lora, lora_file_config, merge_init_lora
-from common.models import ADAPTERS, load_adapter, resolve_model_path
+from common.models import ADAPTERS, default_max_sequence_length, load_adapter, resolve_model_path
 from common.scoring import check_audio_rewards, check_video_rewards
 from common.tracking import format_metrics
-from common.training import EMA, add_lora, trainable_parameters
+from common.training import EMA, add_lora, full_finetune_parameters, trainable_parameters
 from common.utils import UserError, install_user_error_hook, quiet_libraries, resolve_dtype
 from rewards import load_run_rewards
 
@@ -73,6 +73,9 @@ class Args:
     reward: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
     """a reward as NAME[:WEIGHT][,KEY=VALUE...]; repeat for several (without --run and none given:
     jpeg_compressibility)"""
+    judge: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
+    """a held-out judge (the --reward syntax), logged as eval_judge_<name>; repeat for several (with --run: the run's
+    own --judge flags unless given)"""
     resolution: int | None = None
     max_sequence_length: int | None = None
     num_frames: int | None = None
@@ -105,8 +108,9 @@ class Args:
 
 
 # With --run, the flags that may differ from the run's own: what is evaluated and where the model is found.
-EVAL_FLAGS = ("eval_num_prompts", "eval_seeds", "eval_num_steps", "batch_size", "reward", "dataset",
-              "guidance_scale", "model_path", "cache_dir", "reward_device", "attention_backend", "eval_hf_reference")
+EVAL_FLAGS = ("eval_num_prompts", "eval_seeds", "eval_num_steps", "batch_size", "reward", "judge", "dataset",
+              "guidance_scale", "model_path", "cache_dir", "reward_device", "attention_backend",
+              "eval_hf_reference")
 
 
 def check(args: Args) -> None:
@@ -130,11 +134,34 @@ def check(args: Args) -> None:
     if args.base and not args.run:
         raise UserError("--base scores the model a --run started from: give --run (without it the model given by "
                         "the flags is scored untrained anyway)")
+    # Where the results go is checked now, not after the scoring.
+    if args.benchmark is None:
+        check_folder("--grid-dir", Path(args.grid_dir))
+    else:
+        check_folder("--benchmark-dir", Path(args.benchmark_dir))
+    if args.output is not None:
+        output = Path(args.output)
+        if output.is_dir():
+            raise UserError(f"--output {output} is a folder: give the name of the JSON file to write")
+        if not output.parent.is_dir():
+            raise UserError(f"--output {output}: the folder {output.parent} does not exist")
+        if not os.access(output.parent, os.W_OK | os.X_OK):
+            raise UserError(f"--output {output}: the folder {output.parent} is not writable")
 
 
-def newest_checkpoint(folder: Path, process_index: int):
-    """The run's newest complete checkpoint (a damaged newer one is skipped, as on --resume); it carries the flags
-    of the start that wrote it (meta.json `args`)."""
+def check_folder(flag: str, folder: Path) -> None:
+    """One line when `folder` (made when first written) cannot be: it, or the nearest of its parents that exists,
+    is a file, or that parent is not writable."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise UserError(f"{flag} {folder}: {'it' if existing == folder else existing} is a file, not a folder")
+    if existing != folder and not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {folder}: {existing} is not writable")
+
+
+def newest_checkpoint(folder: Path, accelerator):
+    """The run's newest complete checkpoint (a damaged newer one is skipped, as on --resume, and named in one line);
+    it carries the flags of the start that wrote it (meta.json `args`)."""
     metas = sorted((folder / "checkpoints").glob("epoch_*/meta.json"), reverse=True)
     if not metas:
         raise UserError(f"--run {folder}: no checkpoint (not a run folder, or a run stopped before its first one)")
@@ -142,9 +169,12 @@ def newest_checkpoint(folder: Path, process_index: int):
         full_finetune = bool(json.loads(metas[0].read_text()).get("full_finetune"))
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         full_finetune = (metas[0].parent / "transformer").is_dir()
-    checkpoint, skipped = newest_complete_checkpoint(folder, full_finetune, process_index)
+    checkpoint, skipped = newest_complete_checkpoint(folder, full_finetune, accelerator.process_index)
     if checkpoint is None:
         raise UserError(f"--run {folder}: no complete checkpoint ({'; '.join(skipped) or 'none is left'})")
+    if skipped:
+        accelerator.print(f"note: --run {folder}: skipped checkpoints that do not load completely: "
+                          f"{'; '.join(skipped)}; scoring {checkpoint.folder.name} instead")
     if "args" not in checkpoint.meta:
         raise UserError(f"--run {folder}: {checkpoint.folder.name} was saved before checkpoints carried their "
                         f"settings; evaluate it with explicit flags")
@@ -162,6 +192,8 @@ def settings(args: Args, saved: dict | None) -> Namespace:
             values[name] = value
     values["eval_num_steps"] = values["eval_num_steps"] or values["num_steps"]  # unset: the rollout's steps
     values["dataset"] = values["dataset"] or default_dataset(values["model"])
+    if values["max_sequence_length"] is None:  # unset here and in the training defaults: the model's own
+        values["max_sequence_length"] = default_max_sequence_length(values["model"])
     return Namespace(**values)
 
 
@@ -188,7 +220,8 @@ def load_model(s: Namespace, accelerator, test: list | None = None):
             merge_init_lora(adapter.transformer, folder)
         else:  # the run's own LoRA (`trained`) has the same rank and α
             config = lora_file_config(folder)
-            add_lora(adapter.transformer, config["r"], config["lora_alpha"], adapter.lora_target_modules)
+            add_lora(adapter.transformer, config["r"], config["lora_alpha"], adapter.lora_target_modules,
+                     adapter.unused_modules(adapter.transformer))
             trainable_parameters(adapter.transformer)
             load_init_lora(adapter.transformer, folder, config["r"], config["lora_alpha"])
     return adapter, PromptEncoder(adapter, cache), test
@@ -212,10 +245,11 @@ def trained(checkpoint, s: Namespace, adapter):
     transformer = adapter.transformer
     if s.full_finetune:
         load_full_state_into(transformer, checkpoint.weights)
-        params = [p for p in transformer.parameters()]
+        params = full_finetune_parameters(transformer, adapter.unused_modules(transformer))  # the EMA's, as trained
     else:
         if not getattr(transformer, "peft_config", None):  # (a run from --init-lora has it: load_model)
-            add_lora(transformer, s.lora_rank, s.lora_alpha, adapter.lora_target_modules)
+            add_lora(transformer, s.lora_rank, s.lora_alpha, adapter.lora_target_modules,
+                     adapter.unused_modules(transformer))
         params = trainable_parameters(transformer)  # float32, as trained
         load_lora_state_into(transformer, checkpoint.weights, str(checkpoint.folder))
     ema = None
@@ -257,7 +291,7 @@ def main() -> None:
     check(args)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     grid_dir = Path(args.grid_dir)
-    checkpoints = [newest_checkpoint(Path(folder), accelerator.process_index) for folder in args.run]
+    checkpoints = [newest_checkpoint(Path(folder), accelerator) for folder in args.run]
     jobs = [(Path(folder), c) for folder, c in zip(args.run, checkpoints)] or [(None, None)]
     records = None
     if args.benchmark is not None:

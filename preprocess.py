@@ -29,8 +29,8 @@ class Args:
     """folder with train/test .jsonl or .txt prompt files (unset: the training scripts' default for --model)"""
     cache_dir: str | None = None
     """root folder of embedding caches (unset: $FLOWRL_CACHE/embeddings, where training looks)"""
-    max_sequence_length: int = 512
-    """prompt length in tokens: must equal the training run's"""
+    max_sequence_length: int | None = None
+    """prompt length in tokens: must equal the training run's (unset: the model's own, as the training scripts')"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """embedding dtype: must equal the training run's (auto: bf16 on GPU, float32 on CPU)"""
     resolution: int = 512

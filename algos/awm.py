@@ -21,12 +21,10 @@ from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_ep
                           setup, start_scoring)
 from common.timesampling import (check_time_sampling, sample_train_noise, sample_train_sigmas, training_generators,
                                  training_seeds)
-from common.toy import TOY_WORLD
-from common.toy_edit import TOY_EDIT_WORLD
-from common.toy_video import TOY_VIDEO_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
 from common.utils import UserError
 from rewards import load_run_rewards
+from worlds import TOY_WORLD, TOY_EDIT_WORLD, TOY_VIDEO_WORLD
 
 
 COLLAPSE_WARNING = ("turning off BOTH the EMA-KL term (--ema-kl-beta 0) and the PPO clip (--clip-range inf) tends to "
@@ -84,39 +82,32 @@ class Args(TrainArgs):
     and dropping a share f of samples scales the policy gradient by 1/(1 − f)"""
 
 
+# What each preset is, why, and what it measured: docs/algorithms/awm.md#presets
 PRESETS = {
-    # The toy world (docs/toy-world.md): NFT's toy setting (LoRA r16/α16 at lr 1e-3, 8 prompts × 8 samples, 4 of 8
-    # DPM-Solver steps trained, KL 0.1 to the pretrained model, 4 optimizer steps per epoch, 30 epochs) with AWM's
-    # own ghuber weighting.
+    # The toy world (docs/toy-world.md): nft's toy setting with AWM's own ghuber weighting.
     "toy": dict(TOY_WORLD, epochs=30, prompts_per_epoch=8, group_size=8, batch_size=16, updates_per_epoch=4,
                 num_steps=8, train_timesteps=4, learning_rate=1e-3, lora_rank=16, lora_alpha=16, kl_beta=0.1,
                 eval_every=10, save_every=10),
-    # The toy edit world (docs/toy-edit-world.md): the toy setting on its FLUX.1 Kontext, untuned and not measured
-    # on the edit world's current split (nft.py and grpo.py carry the tuned ones).
+    # The toy edit world (docs/toy-edit-world.md): the toy setting, untuned (nft.py and grpo.py carry tuned ones).
     "toy-edit": dict(TOY_EDIT_WORLD, epochs=30, prompts_per_epoch=8, group_size=8, batch_size=16, updates_per_epoch=4,
                      num_steps=8, train_timesteps=4, learning_rate=1e-3, lora_rank=16, lora_alpha=16, kl_beta=0.1,
                      eval_every=10, save_every=10),
-    # The toy video world (docs/toy-video-world.md): the toy setting on its Wan model, untuned and not measured
-    # there (nft.py and grpo.py carry the tuned ones).
+    # The toy video world (docs/toy-video-world.md): the toy setting, untuned (nft.py and grpo.py: tuned ones).
     "toy-video": dict(TOY_VIDEO_WORLD, epochs=30, prompts_per_epoch=8, group_size=8, batch_size=16,
                       updates_per_epoch=4, num_steps=8, train_timesteps=4, learning_rate=1e-3, lora_rank=16,
                       lora_alpha=16, kl_beta=0.1, eval_every=10, save_every=10),
-    # The embedded tiny FLUX.1 on a CPU: a ~80k-parameter model needs ~100× the papers' lr (docs/tiny-models.md).
-    # 6 rollout steps, 5 trained σ's and no KL to the reference keep an epoch at ~0.3 s. Uniform weighting: at this
-    # lr the JPEG reward rose by +0.73/+0.60/+0.88 kB over seeds 1–3 in 50 epochs, ghuber by +0.27/+0.17/+0.81.
+    # The embedded tiny FLUX.1 on a CPU (docs/tiny-models.md): ~100× the papers' lr, a short epoch, uniform
+    # weighting (it learned faster than ghuber there).
     "tiny": dict(model_path="tiny", resolution=64, max_sequence_length=32, epochs=50, prompts_per_epoch=2,
                  group_size=8, batch_size=8, num_steps=6, train_timesteps=5, learning_rate=5e-2, lora_rank=8,
                  lora_alpha=8, weighting="uniform", kl_beta=0.0, global_std=False, eval_every=25, eval_num_prompts=8,
                  save_every=25),
-    # AWM's PickScore setting on FLUX.1-dev (the paper's LoRA r32/α64, 14 rollout steps, 6 `discrete` σ's over the
-    # noisiest 90%, ghuber, KL 1e-4): deterministic rollouts.
+    # AWM's PickScore setting on FLUX.1-dev (the paper's): deterministic rollouts.
     "flux1": dict(reward=["pickscore"], resolution=512, num_steps=14, eval_num_steps=28, train_timesteps=6,
                   time_sampling="discrete", timestep_range=(0.0, 0.9), group_size=24, prompts_per_epoch=48,
                   batch_size=8, learning_rate=3e-4, lora_rank=32, lora_alpha=64, kl_beta=1e-4, ema_kl_beta=1.0,
                   clip_range=1.0, epochs=1000, eval_every=20, save_every=20),
-    # AWM's OCR setting: never train at σ = 1, KL 3e-3 (its GenEval setting is the same with KL 1e-3 and a GenEval
-    # scorer, which this repository does not ship; serve one with --reward remote). The reference rolls out with a
-    # stochastic SA-Solver (stochasticity 0.4 on σ ∈ [0.3, 0.9]), not implemented here: the rollout stays the ODE.
+    # AWM's OCR setting: never σ = 1, KL 3e-3; its SA-Solver rollout is not implemented (the ODE rolls out).
     "flux1-ocr": dict(reward=["ocr"], resolution=512, num_steps=14, eval_num_steps=28, train_timesteps=6,
                       time_sampling="discrete_wo_init", timestep_range=(0.0, 0.9), group_size=24, prompts_per_epoch=48,
                       batch_size=8, learning_rate=3e-4, lora_rank=32, lora_alpha=64, kl_beta=3e-3, ema_kl_beta=1.0,

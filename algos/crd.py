@@ -25,12 +25,10 @@ from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_ep
                           setup, start_scoring)
 from common.timesampling import (check_time_sampling, eligible_steps, sample_train_noise, sample_train_sigmas,
                                  training_generators, training_seeds)
-from common.toy import TOY_WORLD
-from common.toy_edit import TOY_EDIT_WORLD
-from common.toy_video import TOY_VIDEO_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
 from common.utils import UserError
 from rewards import load_run_rewards
+from worlds import TOY_WORLD, TOY_EDIT_WORLD, TOY_VIDEO_WORLD
 
 
 @dataclass
@@ -82,33 +80,26 @@ class Args(TrainArgs):
     """(k0, v0, slope, v_end) of the sampler snapshot, the same rule (the default: on-policy for 75 steps)"""
 
 
+# What each preset is, why, and what it measured: docs/algorithms/crd.md#presets
 PRESETS = {
-    # The toy world (docs/toy-world.md): NFT's toy setting (LoRA r16/α16 at lr 1e-3, 8 prompts × 8 samples, 4 of 8
-    # DPM-Solver steps trained, KL 0.1 to the pretrained model, 4 optimizer steps per epoch, 30 epochs) with CRD's
-    # centred target.
+    # The toy world (docs/toy-world.md): nft's toy setting with CRD's centred target.
     "toy": dict(TOY_WORLD, epochs=30, prompts_per_epoch=8, group_size=8, batch_size=16, updates_per_epoch=4,
                 num_steps=8, train_timesteps=4, learning_rate=1e-3, lora_rank=16, lora_alpha=16, kl_beta=0.1,
                 eval_every=10, save_every=10),
-    # The toy edit world (docs/toy-edit-world.md): the toy setting on its FLUX.1 Kontext, untuned and not measured
-    # on the edit world's current split (nft.py and grpo.py carry the tuned ones).
+    # The toy edit world (docs/toy-edit-world.md): the toy setting, untuned (nft.py and grpo.py carry tuned ones).
     "toy-edit": dict(TOY_EDIT_WORLD, epochs=30, prompts_per_epoch=8, group_size=8, batch_size=16, updates_per_epoch=4,
                      num_steps=8, train_timesteps=4, learning_rate=1e-3, lora_rank=16, lora_alpha=16, kl_beta=0.1,
                      eval_every=10, save_every=10),
-    # The toy video world (docs/toy-video-world.md): the toy setting on its Wan model, untuned and not measured
-    # there (nft.py and grpo.py carry the tuned ones).
+    # The toy video world (docs/toy-video-world.md): the toy setting, untuned (nft.py and grpo.py: tuned ones).
     "toy-video": dict(TOY_VIDEO_WORLD, epochs=30, prompts_per_epoch=8, group_size=8, batch_size=16,
                       updates_per_epoch=4, num_steps=8, train_timesteps=4, learning_rate=1e-3, lora_rank=16,
                       lora_alpha=16, kl_beta=0.1, eval_every=10, save_every=10),
-    # The embedded tiny FLUX.1 on a CPU: a ~80k-parameter model needs ~100× the papers' lr (docs/tiny-models.md).
-    # 6 rollout steps, 3 trained σ's and no KL keep an epoch short; 4 groups of 4, two per micro-batch.
+    # The embedded tiny FLUX.1 on a CPU (docs/tiny-models.md): ~100× the papers' lr, a short epoch, 4 groups of 4.
     "tiny": dict(model_path="tiny", resolution=64, max_sequence_length=32, epochs=50, prompts_per_epoch=4,
                  group_size=4, batch_size=8, updates_per_epoch=1, num_steps=6, train_timesteps=3, kl_beta=0.0,
                  learning_rate=1e-1, lora_rank=8, lora_alpha=8, global_std=False, eval_every=25,
                  eval_num_prompts=8, save_every=25),
-    # The paper's OCR setting (Flow-Factory's example, "paper Table 3") on FLUX.1-dev: OCR reward, 512 px, 10 Euler
-    # steps, K 24, 48 groups, 2 optimizer steps per epoch, T 20 over the noisiest 99%, β 1, KL 0.1 reward-adaptive,
-    # the decays above. Adapted: LoRA r 64/α 128 (FLUX.1's, as the other presets), one group per micro-batch with
-    # gradient checkpointing (the example's 8 would split a group), the KL at FLUX.1's embedding 3.5, eval 28 steps.
+    # The paper's OCR setting (Flow-Factory's example, "paper Table 3") adapted to FLUX.1-dev.
     "flux1": dict(reward=["ocr"], resolution=512, num_steps=10, eval_num_steps=28, group_size=24,
                   prompts_per_epoch=48, batch_size=24, updates_per_epoch=2, learning_rate=3e-4, lora_rank=64,
                   lora_alpha=128, gradient_checkpointing=True, train_timesteps=20, timestep_range=(0.0, 0.99),

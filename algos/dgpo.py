@@ -24,12 +24,10 @@ from common.sampling import sample, sample_generators
 from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
                           setup, start_scoring)
 from common.timesampling import sample_train_noise, training_generators, training_seeds
-from common.toy import TOY_WORLD
-from common.toy_edit import TOY_EDIT_WORLD
-from common.toy_video import TOY_VIDEO_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
 from common.utils import UserError
 from rewards import load_run_rewards
+from worlds import TOY_WORLD, TOY_EDIT_WORLD, TOY_VIDEO_WORLD
 
 
 @dataclass
@@ -75,35 +73,29 @@ class Args(TrainArgs):
     """… capped here; ema_ref ← d·ema_ref + (1 − d)·θ after every optimizer step"""
 
 
+# What each preset is, why, and what it measured: docs/algorithms/dgpo.md#presets
 PRESETS = {
-    # The toy world (docs/toy-world.md): NFT's toy scale (LoRA r16/α16 at lr 1e-3, 8 prompts × 8 samples, 8
-    # DPM-Solver steps, 4 trained of steps 0..5) with the tiny preset's β_dpo 2 and a KL 0.1 to the pretrained model.
-    # DGPO takes one optimizer step per epoch, so 4 prompts × 8 per epoch: twice the steps of 8 × 8 for the same
-    # samples (768 samples: +0.06 against +0.03, seed 1).
+    # The toy world (docs/toy-world.md): nft's toy scale at 4 prompts × 8 (one optimizer step per epoch: twice the
+    # steps of 8 × 8 for the same samples), the tiny preset's β_dpo 2, a KL to the pretrained model.
     "toy": dict(TOY_WORLD, epochs=60, prompts_per_epoch=4, group_size=8, batch_size=16, num_steps=8,
                 train_timesteps=4, trunc_steps=5, learning_rate=1e-3, lora_rank=16, lora_alpha=16, beta_dpo=2.0,
                 kl_beta=0.1, eval_every=10, save_every=10),
-    # The toy edit world (docs/toy-edit-world.md): the toy setting on its FLUX.1 Kontext, untuned and not measured
-    # on the edit world's current split (nft.py and grpo.py carry the tuned ones).
+    # The toy edit world (docs/toy-edit-world.md): the toy setting, untuned (nft.py and grpo.py carry tuned ones).
     "toy-edit": dict(TOY_EDIT_WORLD, epochs=60, prompts_per_epoch=4, group_size=8, batch_size=16, num_steps=8,
                      train_timesteps=4, trunc_steps=5, learning_rate=1e-3, lora_rank=16, lora_alpha=16, beta_dpo=2.0,
                      kl_beta=0.1, eval_every=10, save_every=10),
-    # The toy video world (docs/toy-video-world.md): the toy setting on its Wan model, untuned and not measured
-    # there (nft.py and grpo.py carry the tuned ones).
+    # The toy video world (docs/toy-video-world.md): the toy setting, untuned (nft.py and grpo.py: tuned ones).
     "toy-video": dict(TOY_VIDEO_WORLD, epochs=60, prompts_per_epoch=4, group_size=8, batch_size=16, num_steps=8,
                       train_timesteps=4, trunc_steps=5, learning_rate=1e-3, lora_rank=16, lora_alpha=16, beta_dpo=2.0,
                       kl_beta=0.1, eval_every=10, save_every=10),
-    # The embedded tiny FLUX.1 on a CPU: a ~80k-parameter model needs ~100× the papers' lr (docs/tiny-models.md).
-    # 6 rollout steps, 4 trained of steps 0..4, no KL, the paper's clip, ema_ref sampling after step 30. β_dpo 2:
-    # with 10 the group weights reached 0.09-0.94 and the JPEG reward rose by +0.56/+0.14/+0.53 kB over seeds 1-3
-    # in 50 epochs; with 2, +0.81/+0.82/+0.93.
+    # The embedded tiny FLUX.1 on a CPU (docs/tiny-models.md): ~100× the papers' lr, no KL, β_dpo 2 (10 saturated
+    # the group weights).
     "tiny": dict(model_path="tiny", resolution=64, max_sequence_length=32, epochs=50, prompts_per_epoch=2,
                  group_size=8, batch_size=8, num_steps=6, train_timesteps=4, trunc_steps=4, learning_rate=5e-2,
                  lora_rank=8, lora_alpha=8, beta_dpo=2.0, kl_beta=0.0, clip_range=5e-2, switch_ema_ref=30,
                  global_std=False, eval_every=25, eval_num_prompts=8, save_every=25),
-    # The authors' PickScore setting (SD3.5-M: K 24, 8 groups per epoch, β_dpo 10, KL 1e-3, clip 5e-2, steps 0..6,
-    # LoRA r64/α128, lr 3e-4, 10 DPM-Solver steps, 14 at evaluation) on FLUX.1-dev: its guidance embedding 3.5 in
-    # rollout and training (no true CFG), a micro-batch of one whole group with checkpointed blocks.
+    # The authors' PickScore setting adapted to FLUX.1-dev: its guidance embedding 3.5 instead of true CFG, one
+    # whole group per micro-batch.
     "flux1": dict(reward=["pickscore"], resolution=512, num_steps=10, eval_num_steps=14, group_size=24,
                   prompts_per_epoch=8, batch_size=24, gradient_checkpointing=True, learning_rate=3e-4, lora_rank=64,
                   lora_alpha=128, beta_dpo=10.0, kl_beta=1e-3, clip_range=5e-2, trunc_steps=6, train_timesteps=4,

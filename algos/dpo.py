@@ -23,12 +23,10 @@ from common.sampling import sample, sample_generators
 from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
                           setup, start_scoring)
 from common.timesampling import sample_train_noise, shift_sigma, training_generators, training_seeds
-from common.toy import TOY_WORLD
-from common.toy_edit import TOY_EDIT_WORLD
-from common.toy_video import TOY_VIDEO_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
 from common.utils import UserError
 from rewards import load_run_rewards
+from worlds import TOY_WORLD, TOY_EDIT_WORLD, TOY_VIDEO_WORLD
 
 BETA_NOTE = ("β multiplies a difference of per-element MEAN squared velocity errors, so its scale is tied to the "
              "prediction target and the latent: 100 on FLUX.1/SD3.5 velocities, 5000 in Diffusion-DPO's "
@@ -69,34 +67,27 @@ class Args(TrainArgs):
     after every k-th optimizer step, is the reference AND the sampler (Flow-GRPO's online switch)"""
 
 
+# What each preset is, why, and what it measured: docs/algorithms/dpo.md#presets
 PRESETS = {
-    # The toy world (docs/toy-world.md): 8 prompts × 8 samples (8 best/worst pairs per epoch), 8 steps, LoRA r16/α16
-    # at lr 1e-3, β 10 (the sigmoid's slope for flow-matching error gaps of the pretrained model's size), 4 optimizer
-    # steps of 2 pairs per epoch (as NFT's toy preset: the same compute, 4× the updates), 20 epochs (seed 1 peaked
-    # at 0.54 there and fell to 0.48 by epoch 29 as shape degraded).
+    # The toy world (docs/toy-world.md): 8 best/worst pairs per epoch in 4 optimizer steps, β 10 for the pretrained
+    # model's error gaps, 20 epochs (it peaks there).
     "toy": dict(TOY_WORLD, epochs=20, prompts_per_epoch=8, group_size=8, batch_size=16, updates_per_epoch=4,
                 num_steps=8, learning_rate=1e-3, lora_rank=16, lora_alpha=16, dpo_beta=10.0, eval_every=10,
                 save_every=10),
-    # The toy edit world (docs/toy-edit-world.md): the toy setting on its FLUX.1 Kontext, untuned and not measured
-    # on the edit world's current split (nft.py and grpo.py carry the tuned ones).
+    # The toy edit world (docs/toy-edit-world.md): the toy setting, untuned (nft.py and grpo.py carry tuned ones).
     "toy-edit": dict(TOY_EDIT_WORLD, epochs=20, prompts_per_epoch=8, group_size=8, batch_size=16, updates_per_epoch=4,
                      num_steps=8, learning_rate=1e-3, lora_rank=16, lora_alpha=16, dpo_beta=10.0, eval_every=10,
                      save_every=10),
-    # The toy video world (docs/toy-video-world.md): the toy setting on its Wan model, untuned and not measured
-    # there (nft.py and grpo.py carry the tuned ones).
+    # The toy video world (docs/toy-video-world.md): the toy setting, untuned (nft.py and grpo.py: tuned ones).
     "toy-video": dict(TOY_VIDEO_WORLD, epochs=20, prompts_per_epoch=8, group_size=8, batch_size=16,
                       updates_per_epoch=4, num_steps=8, learning_rate=1e-3, lora_rank=16, lora_alpha=16, dpo_beta=10.0,
                       eval_every=10, save_every=10),
-    # The embedded tiny FLUX.1 on a CPU: a ~80k-parameter model needs ~100× the papers' lr (docs/tiny-models.md),
-    # and β is rescaled for its velocity errors (BETA_NOTE). 4 rollout steps, so T = ⌊0.99·4⌋ = 3 draws per pair.
-    # JPEG reward, last 10 minus first 10 of 50 epochs, seeds 1–3: β 1 +0.95/+0.88/+0.69 kB, β 5 +0.63/+0.37/+0.38,
-    # β 100 +0.23/+0.11/+0.01, β 2000 +0.29/+0.05/+0.14 (there |z| ≈ 200: the sigmoid is saturated).
+    # The embedded tiny FLUX.1 on a CPU (docs/tiny-models.md): ~100× the papers' lr, β rescaled for its velocity
+    # errors (BETA_NOTE).
     "tiny": dict(model_path="tiny", resolution=64, max_sequence_length=32, epochs=50, prompts_per_epoch=4,
                  group_size=4, batch_size=8, num_steps=4, learning_rate=5e-2, lora_rank=8, lora_alpha=8, dpo_beta=1.0,
                  global_std=False, eval_every=25, eval_num_prompts=8, save_every=25),
-    # Flow-GRPO's pickscore_sd3 DPO setting (SD3.5-M) adapted to FLUX.1-dev: 28 rollout steps (FLUX.1-dev's default
-    # instead of SD3.5's 40), so T = 27 draws per pair; CFG-free rollouts with the guidance embedding at its default;
-    # β 100 kept (FLUX.1's 16-channel 64×64 latent at 512 px has SD3.5's size and the same velocity target).
+    # Flow-GRPO's pickscore_sd3 DPO setting (the online method's reference code) adapted to FLUX.1-dev.
     "flux1": dict(reward=["pickscore"], resolution=512, num_steps=28, eval_num_steps=28, group_size=24,
                   prompts_per_epoch=8, batch_size=8, learning_rate=1e-5, lora_rank=32, lora_alpha=64, dpo_beta=100.0,
                   time_shift=3.0, epochs=1000, eval_every=20, save_every=20),

@@ -21,12 +21,10 @@ from common.dynamics import log_prob_velocity_scale, sde_kl, sde_step
 from common.sampling import sample_generators
 from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
                           setup, start_scoring)
-from common.toy import TOY_WORLD
-from common.toy_edit import TOY_EDIT_WORLD
-from common.toy_video import TOY_VIDEO_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
 from common.utils import UserError
 from rewards import load_run_rewards
+from worlds import TOY_WORLD, TOY_EDIT_WORLD, TOY_VIDEO_WORLD
 
 
 @dataclass
@@ -68,11 +66,9 @@ class Args(TrainArgs):
     """keep the stored rollout steps on the CPU between rollout and training"""
 
 
+# What each preset is, why, and what it measured: docs/algorithms/dppo.md#presets
 PRESETS = {
-    # The toy world (docs/toy-world.md): grpo's toy setting (SDE and training on the first two of 8 steps, 8 prompts ×
-    # 16 samples, lr 3e-4, KL 0.04 to the pretrained model) with τ set for a masked fraction of a few per cent after
-    # the first epochs: D there is ~3e-8–3e-7 (epoch 0's second step: ~3e-6, Adam's first step moves every weight).
-    # Seed 1: held-out strict success 0.41 → 0.55 in 100 epochs (best 0.56), masking 0–20% of the steps per epoch.
+    # The toy world (docs/toy-world.md): grpo's toy setting, τ set to mask a few per cent of the steps.
     "toy": dict(TOY_WORLD, epochs=100, prompts_per_epoch=8, group_size=16, batch_size=32, updates_per_epoch=2,
                 num_steps=8, noise_level=0.7, sde_window_size=2, sde_window_range=(0, 2), learning_rate=3e-4,
                 lora_rank=16, lora_alpha=16, kl_mask_threshold=3e-7, kl_beta=0.04, eval_every=10, save_every=10),
@@ -80,21 +76,17 @@ PRESETS = {
     "toy-edit": dict(TOY_EDIT_WORLD, epochs=100, prompts_per_epoch=8, group_size=16, batch_size=32, updates_per_epoch=2,
                      num_steps=8, noise_level=0.7, sde_window_size=2, sde_window_range=(0, 2), learning_rate=3e-4,
                      lora_rank=16, lora_alpha=16, kl_mask_threshold=3e-7, kl_beta=0.04, eval_every=10, save_every=10),
-    # The toy video world (docs/toy-video-world.md): the toy setting on its Wan model, untuned and not measured
-    # there (nft.py and grpo.py carry the tuned ones).
+    # The toy video world (docs/toy-video-world.md): the toy setting, untuned (nft.py and grpo.py: tuned ones).
     "toy-video": dict(TOY_VIDEO_WORLD, epochs=100, prompts_per_epoch=8, group_size=16, batch_size=32,
                       updates_per_epoch=2, num_steps=8, noise_level=0.7, sde_window_size=2, sde_window_range=(0, 2),
                       learning_rate=3e-4, lora_rank=16, lora_alpha=16, kl_mask_threshold=3e-7, kl_beta=0.04,
                       eval_every=10, save_every=10),
-    # The embedded tiny FLUX.1 on a CPU (docs/tiny-models.md): grpo's tiny setting (lr 3e-2 on 256-element
-    # log-probs); D is ~1e-3 there and τ 1e-3 masks 10–15% of the steps (seed 1: +0.78 kB in 80 epochs).
+    # The embedded tiny FLUX.1 on a CPU (docs/tiny-models.md): grpo's tiny setting, τ set for its larger D.
     "tiny": dict(model_path="tiny", resolution=64, max_sequence_length=32, epochs=150, prompts_per_epoch=2,
                  group_size=8, batch_size=8, updates_per_epoch=2, num_steps=8, noise_level=0.8,
                  learning_rate=3e-2, lora_rank=8, lora_alpha=8, kl_mask_threshold=1e-3, global_std=False,
                  eval_every=50, eval_num_prompts=8, save_every=50),
-    # The reference code's SD3.5-M PickScore setting (UniRL's sd3_flowdppo example): flow-sde η 0.7, 10 steps with 3
-    # stochastic ones of the first 5, CFG-free, K 16, 48 prompts, 2 optimizer steps per rollout, LoRA r32/α64 at lr
-    # 3e-4 without weight decay, τ 1e-5, no reference KL.
+    # The reference code's SD3.5-M PickScore setting (UniRL's sd3_flowdppo example).
     "sd3-flowdppo": dict(model="sd3", reward=["pickscore"], resolution=512, num_steps=10, guidance_scale=1.0,
                          dynamics="flow-sde", noise_level=0.7, num_sde_steps=3, sde_window_range=(0, 5),
                          group_size=16, prompts_per_epoch=48, batch_size=8, updates_per_epoch=2, learning_rate=3e-4,

@@ -20,12 +20,11 @@ from common.dynamics import log_prob_velocity_scale, sde_kl, sde_step
 from common.sampling import sample_generators
 from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
                           setup, start_scoring)
-from common.toy import TOY_WORLD
-from common.toy_edit import TOY_EDIT_WORLD
-from common.toy_video import TOY_VIDEO_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
 from common.utils import UserError
+from recipes import flowfactory
 from rewards import load_run_rewards
+from worlds import TOY_WORLD, TOY_EDIT_WORLD, TOY_VIDEO_WORLD
 
 
 @dataclass
@@ -61,157 +60,41 @@ class Args(TrainArgs):
     """keep the stored rollout steps on the CPU between rollout and training"""
 
 
+# What each preset is, why, and what it measured: docs/algorithms/grpo.md#presets
 PRESETS = {
-    # The toy world (docs/toy-world.md): SDE and training only on the first two of 8 steps (Flow-GRPO-Fast's window,
-    # pinned at the start, where count, shape and place are decided; the ODE elsewhere), 8 prompts × 16 samples,
-    # lr 3e-4 (1e-3 and 2e-3 rose then collapsed), KL 0.04 to the pretrained model.
+    # The toy world (docs/toy-world.md): Flow-GRPO-Fast's window pinned on the first 2 of 8 steps, where count,
+    # shape and place are decided; a KL to the pretrained model.
     "toy": dict(TOY_WORLD, epochs=100, prompts_per_epoch=8, group_size=16, batch_size=32, updates_per_epoch=2,
                 num_steps=8, noise_level=0.7, sde_window_size=2, sde_window_range=(0, 2), learning_rate=3e-4,
                 lora_rank=16, lora_alpha=16, clip_range=1e-3, kl_beta=0.04, eval_every=10, save_every=10),
-    # The toy edit world (docs/toy-edit-world.md): the toy setting on the strict edit reward (all six checks; with
-    # their mean, held-out edits rose about half as fast), LoRA lr 1e-3, clip 1e-2, KL 0.01, evaluated with an EMA
-    # of the weights (0.98 an optimizer step): without the EMA that lr peaks at +0.06 by epoch 60 and falls back;
-    # with it held-out edits gain +0.07 to +0.09 by epoch 180 over 3 seeds (best points +0.09 to +0.11) and hold.
-    # 180 epochs: about 20 CPU-minutes.
+    # The toy edit world (docs/toy-edit-world.md): the strict edit reward, evaluated with an EMA of the weights
+    # (without it the gain falls back).
     "toy-edit": dict(TOY_EDIT_WORLD, reward=["toy_edit,mode=strict"], epochs=180, prompts_per_epoch=8, group_size=16,
                      batch_size=32, updates_per_epoch=2, num_steps=8, noise_level=0.7, sde_window_size=2,
                      sde_window_range=(0, 2), learning_rate=1e-3, lora_rank=16, lora_alpha=16, clip_range=1e-2,
                      kl_beta=0.01, ema=True, ema_decay=0.98, eval_every=20, save_every=20),
-    # The toy video world (docs/toy-video-world.md): the toy-edit setting (LoRA lr 1e-3, clip 1e-2, KL 0.01, EMA
-    # 0.98) at 8 prompts × 8 samples (16 a prompt gained half as much in 50 epochs), η 1.0 and a cosine decay of
-    # the rate. By epoch 80, η 0.7 gained +0.13 / +0.14 / +0.02 held-out strict success over seeds 1-3, η 1.0
-    # +0.20 / +0.18 / +0.19; at a constant rate η 1.0 then collapsed in seed 3 (0.257 by epoch 149, below the base),
-    # with the cosine decay it did not. 150 epochs: ~16 CPU-minutes.
+    # The toy video world (docs/toy-video-world.md): the toy-edit setting at η 1.0 with a cosine decay of the
+    # rate (at a constant rate one seed collapsed).
     "toy-video": dict(TOY_VIDEO_WORLD, epochs=150, prompts_per_epoch=8, group_size=8, batch_size=16,
                       updates_per_epoch=2, num_steps=8, noise_level=1.0, sde_window_size=2, sde_window_range=(0, 2),
                       learning_rate=1e-3, lr_schedule="cosine", lora_rank=16, lora_alpha=16, clip_range=1e-2,
                       kl_beta=0.01, ema=True, ema_decay=0.98, eval_every=10, save_every=10),
-    # The embedded tiny FLUX.1 on a CPU (docs/tiny-models.md): its log-prob averages only 256 elements, so the
-    # papers' lr and clip do not move it; a 100× clip range and LoRA lr 3e-2 raise the JPEG reward within ~150
-    # epochs for every seed tried.
+    # The embedded tiny FLUX.1 on a CPU (docs/tiny-models.md): its log-prob averages only 256 elements, hence a
+    # 100× clip range and lr 3e-2.
     "tiny": dict(model_path="tiny", resolution=64, max_sequence_length=32, epochs=150, prompts_per_epoch=2,
                  group_size=8, batch_size=8, updates_per_epoch=2, num_steps=8, noise_level=0.8,
                  learning_rate=3e-2, lora_rank=8, lora_alpha=8, clip_range=1e-2, global_std=False,
                  eval_every=50, eval_num_prompts=8, save_every=50),
-    # Flow-GRPO's FLUX.1-dev PickScore setting: LoRA r64/α128, 6 rollout steps, η 0.9, group 24, 48 prompts,
-    # 28 eval steps, KL 0.01.
+    # Flow-GRPO's FLUX.1-dev PickScore setting (the paper's).
     "flux1-flowgrpo": dict(reward=["pickscore"], resolution=512, num_steps=6, eval_num_steps=28, noise_level=0.9,
                            group_size=24, prompts_per_epoch=48, batch_size=8, learning_rate=3e-4, clip_range=1e-4,
                            kl_beta=0.01, lora_rank=64, lora_alpha=128, epochs=1000, eval_every=20, save_every=20),
-    # Flow-Factory's FLUX.2 [dev] GRPO example (examples/grpo/lora/flux2/t2i.yaml): LoRA r64/α128 at 512², 8 rollout
-    # steps with guidance 4, flow-SDE η 1.0 on one step drawn from steps 1–3, group 16, 48 prompts, 2 updates,
-    # clip 1e-4, no KL, lr 3e-4, weight decay 1e-4, CLIP text alignment + 0.5 PickScore by GDPO aggregation, 28
-    # eval steps. (Their EMA every 4 epochs and 1024² evaluation are not carried over.)
-    "flux2-flowfactory": dict(model="flux2", reward=["clip:1.0", "pickscore:0.5"], advantage_aggregation="gdpo",
-                              resolution=512, num_steps=8, eval_num_steps=28, guidance_scale=4.0, noise_level=1.0,
-                              sde_window_size=1, sde_window_range=(1, 4), group_size=16, prompts_per_epoch=48,
-                              batch_size=1, updates_per_epoch=2, learning_rate=3e-4, weight_decay=1e-4,
-                              clip_range=1e-4, kl_beta=0.0, lora_rank=64, lora_alpha=128, eval_every=20,
-                              save_every=20),
-    # Flow-Factory's FLUX.2 [klein] base GRPO example (examples/grpo/lora/flux2_klein_base/default.yaml): the 9B base,
-    # LoRA r64/α128 at 384², 8 rollout steps with true CFG 4, flow-SDE η 0.7 on one step drawn from steps 1–3, group
-    # 16, 48 prompts, 2 updates, clip 1e-4, no KL, lr 3e-4, PickScore by GDPO aggregation, 28 eval steps.
-    "flux2-klein-flowfactory": dict(model="flux2-klein", reward=["pickscore"], advantage_aggregation="gdpo",
-                                    resolution=384, num_steps=8, eval_num_steps=28, guidance_scale=4.0,
-                                    noise_level=0.7, sde_window_size=1, sde_window_range=(1, 4), group_size=16,
-                                    prompts_per_epoch=48, batch_size=1, updates_per_epoch=2, learning_rate=3e-4,
-                                    weight_decay=1e-4, clip_range=1e-4, kl_beta=0.0, lora_rank=64, lora_alpha=128,
-                                    eval_every=20, save_every=20),
-    # Flow-Factory's Z-Image GRPO example (examples/grpo/lora/z_image/default.yaml): the non-distilled base, LoRA
-    # r64/α128 at 512², 10 rollout steps with CFG 4 in the pipeline's terms (pos + 4·(pos − neg): w = 5 here),
-    # flow-SDE η 0.7 on one step drawn from steps 1–3, group 16, 48 prompts, 2 updates, clip 1e-4, no KL, lr 3e-4,
-    # weight decay 1e-4, PickScore by GDPO aggregation, 40 eval steps. (Their EMA every 4 epochs and 1024²
-    # evaluation are not carried over.)
-    "z-image-flowfactory": dict(model="z-image", model_path="Tongyi-MAI/Z-Image", reward=["pickscore"],
-                                advantage_aggregation="gdpo", resolution=512, num_steps=10, eval_num_steps=40,
-                                guidance_scale=5.0, noise_level=0.7, sde_window_size=1, sde_window_range=(1, 4),
-                                group_size=16, prompts_per_epoch=48, batch_size=1, updates_per_epoch=2,
-                                learning_rate=3e-4, weight_decay=1e-4, clip_range=1e-4, kl_beta=0.0, lora_rank=64,
-                                lora_alpha=128, eval_every=20, save_every=20),
-    # Flow-Factory's Wan2.2 T2V A14B GRPO example (examples/grpo/lora/wan22/t2v.yaml): LoRA r64/α128 on both
-    # experts at 480², 5 frames, 10 rollout steps with CFG 4 (high-noise expert) / 3 (low-noise expert: the model's
-    # default here), flow-SDE η 0.9 on one step drawn from steps 1–3, group 16, 48 prompts, 2 updates, clip 1e-4,
-    # no KL, lr 1e-4, weight decay 1e-4, per-group std, PickScore by GDPO aggregation, 28 eval steps. (Their EMA
-    # every 4 epochs and 720² × 21-frame evaluation are not carried over.)
-    "wan2.2-flowfactory": dict(model="wan2.2", reward=["pickscore"], advantage_aggregation="gdpo", resolution=480,
-                               num_frames=5, num_steps=10, eval_num_steps=28, noise_level=0.9, sde_window_size=1,
-                               sde_window_range=(1, 4), group_size=16, prompts_per_epoch=48, batch_size=1,
-                               updates_per_epoch=2, learning_rate=1e-4, weight_decay=1e-4, clip_range=1e-4,
-                               kl_beta=0.0, global_std=False, lora_rank=64, lora_alpha=128, eval_every=20,
-                               save_every=20),
-    # Flow-Factory publishes no Wan2.2-TI2V-5B example: its Wan2.2 T2V GRPO example above, carried over unchanged
-    # but for the CFG, the 5B's own scale 5 (Wan2.2's TI2V-5B setting; the model's default here).
-    "wan2.2-5b-flowfactory": dict(model="wan2.2-5b", reward=["pickscore"], advantage_aggregation="gdpo",
-                                  resolution=480, num_frames=5, num_steps=10, eval_num_steps=28, noise_level=0.9,
-                                  sde_window_size=1, sde_window_range=(1, 4), group_size=16, prompts_per_epoch=48,
-                                  batch_size=1, updates_per_epoch=2, learning_rate=1e-4, weight_decay=1e-4,
-                                  clip_range=1e-4, kl_beta=0.0, global_std=False, lora_rank=64, lora_alpha=128,
-                                  eval_every=20, save_every=20),
-    # No RL setting for Qwen-Image 2.1 is published: Flow-Factory's Z-Image GRPO example above (the closest
-    # single-stream model's) at 2.1's own inference settings from its model card and official README
-    # (QwenLM/Qwen-Image-2.1): no CFG (guidance 1, the model's default here) and
-    # 40 sampling steps for evaluation. Text-to-image on the default prompts; a dataset with "image" fields makes it
-    # the same setting for editing.
-    "qwen-image-2.1-flowfactory": dict(model="qwen-image-2.1", reward=["pickscore"], advantage_aggregation="gdpo",
-                                       resolution=512, num_steps=10, eval_num_steps=40, noise_level=0.7,
-                                       sde_window_size=1, sde_window_range=(1, 4), group_size=16,
-                                       prompts_per_epoch=48, batch_size=1, updates_per_epoch=2, learning_rate=3e-4,
-                                       weight_decay=1e-4, clip_range=1e-4, kl_beta=0.0, lora_rank=64,
-                                       lora_alpha=128, eval_every=20, save_every=20),
-    # Flow-Factory's LTX-2 text-to-audio-video GRPO example (examples/grpo/lora/ltx2/t2av.yaml): LoRA r64/α128, 121
-    # frames at 24 fps, 24 rollout steps without CFG (guidance 1, its spatio-temporal and modality guidance off, as
-    # here), CPS η 0.8 on 3 steps within steps 0–9, group 16, 48 prompts, 2 updates, clip 1e-4, no KL, lr 3e-4,
-    # weight decay 1e-4, global std, GDPO aggregation. Not carried over: its 512×768 (square 512 here), its CLAP
-    # audio-text and ImageBind audio-video rewards (PickScore on the frames instead: give an audio reward with
-    # --reward), its EMA every 4 epochs and its 50-step evaluation at guidance 4.
-    "ltx2-flowfactory": dict(model="ltx2", reward=["pickscore"], advantage_aggregation="gdpo", resolution=512,
-                             num_frames=121, max_sequence_length=1024, num_steps=24, eval_num_steps=24,
-                             guidance_scale=1.0, dynamics="cps", noise_level=0.8, sde_window_size=3,
-                             sde_window_range=(0, 10), group_size=16, prompts_per_epoch=48, batch_size=1,
-                             updates_per_epoch=2, learning_rate=3e-4, weight_decay=1e-4, clip_range=1e-4, kl_beta=0.0,
-                             global_std=True, lora_rank=64, lora_alpha=128, gradient_checkpointing=True,
-                             eval_every=60, save_every=60),
-    # Flow-Factory's LTX-2 image-to-audio-video GRPO example (examples/grpo/lora/ltx2/i2av.yaml, "not fully tested"
-    # by its authors): as t2av above but 30 rollout steps, Flow-SDE η 0.7 on 1 step within steps 1–3, 16 prompts and
-    # lr 1e-4. Not carried over: the same as above, and its image dataset (give --dataset prompts with "image").
-    "ltx2-i2v-flowfactory": dict(model="ltx2-i2v", reward=["pickscore"], advantage_aggregation="gdpo", resolution=512,
-                                 num_frames=121, max_sequence_length=1024, num_steps=30, eval_num_steps=30,
-                                 guidance_scale=1.0, dynamics="flow-sde", noise_level=0.7, sde_window_size=1,
-                                 sde_window_range=(1, 4), group_size=16, prompts_per_epoch=16, batch_size=1,
-                                 updates_per_epoch=2, learning_rate=1e-4, weight_decay=1e-4, clip_range=1e-4,
-                                 kl_beta=0.0, global_std=True, lora_rank=64, lora_alpha=128,
-                                 gradient_checkpointing=True, eval_every=60, save_every=60),
-    # Flow-Factory publishes no Wan2.2 I2V example: its Wan2.2 T2V GRPO example above, carried over unchanged but
-    # for the CFG, the I2V A14B's own 3.5 for both experts (Wan2.2's wan/configs/wan_i2v_A14B.py: sample_guide_scale
-    # (3.5, 3.5), with sample_shift 5 and boundary 0.9, which the checkpoint's configs carry; the model's default
-    # here). Give --dataset prompts with their first frames ("image").
-    "wan2.2-i2v-flowfactory": dict(model="wan2.2-i2v", reward=["pickscore"], advantage_aggregation="gdpo",
-                                   resolution=480, num_frames=5, num_steps=10, eval_num_steps=28, noise_level=0.9,
-                                   sde_window_size=1, sde_window_range=(1, 4), group_size=16, prompts_per_epoch=48,
-                                   batch_size=1, updates_per_epoch=2, learning_rate=1e-4, weight_decay=1e-4,
-                                   clip_range=1e-4, kl_beta=0.0, global_std=False, lora_rank=64, lora_alpha=128,
-                                   eval_every=20, save_every=20),
-    # No RL setting is published for HunyuanVideo-1.5: Flow-Factory's Wan2.2 T2V GRPO example above, carried over
-    # unchanged but for the model's own inference settings from the official repo (Tencent-Hunyuan/HunyuanVideo-1.5
-    # README, "Optimal Inference Configurations": CFG 6 and 50 steps for the 480p T2V and I2V models; its flow shift 5
-    # is the checkpoint scheduler's to set). Square 480² (its 480p buckets are 848×480 and the like; runs are square).
-    "hunyuan-video-1.5-flowfactory": dict(model="hunyuan-video-1.5", reward=["pickscore"], advantage_aggregation="gdpo",
-                                          resolution=480, num_frames=5, num_steps=10, eval_num_steps=50,
-                                          guidance_scale=6.0, noise_level=0.9, sde_window_size=1,
-                                          sde_window_range=(1, 4), group_size=16, prompts_per_epoch=48, batch_size=1,
-                                          updates_per_epoch=2, learning_rate=1e-4, weight_decay=1e-4,
-                                          clip_range=1e-4, kl_beta=0.0, global_std=False, lora_rank=64,
-                                          lora_alpha=128, eval_every=20, save_every=20),
-    # The same for the 480p I2V model; give --dataset prompts with their first frames ("image").
-    "hunyuan-video-1.5-i2v-flowfactory": dict(model="hunyuan-video-1.5-i2v", reward=["pickscore"],
-                                              advantage_aggregation="gdpo", resolution=480, num_frames=5,
-                                              num_steps=10, eval_num_steps=50, guidance_scale=6.0, noise_level=0.9,
-                                              sde_window_size=1, sde_window_range=(1, 4), group_size=16,
-                                              prompts_per_epoch=48, batch_size=1, updates_per_epoch=2,
-                                              learning_rate=1e-4, weight_decay=1e-4, clip_range=1e-4, kl_beta=0.0,
-                                              global_std=False, lora_rank=64, lora_alpha=128, eval_every=20,
-                                              save_every=20),
+    **flowfactory.GRPO,  # Flow-Factory's examples, one model each (recipes/flowfactory.py, docs/recipes.md)
 }
+# The guard's demonstration (docs/guard.md): the toy setting trained on a hackable reward, the share of the canvas in
+# the prompt's colour, with the toy world's strict checks as the held-out judge.
+PRESETS["toy-hack"] = dict(PRESETS["toy"], reward=["toy_colour_share"], judge=["toy,mode=strict"],
+                           epochs=40, eval_every=5, save_every=10)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,10 @@ from common.dynamics import sde_kl, sde_step, velocity_coefficient
 from common.sampling import sample_generators
 from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
                           setup, start_scoring)
-from common.toy import TOY_WORLD
-from common.toy_edit import TOY_EDIT_WORLD
-from common.toy_video import TOY_VIDEO_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
 from common.utils import UserError
 from rewards import load_run_rewards
+from worlds import TOY_WORLD, TOY_EDIT_WORLD, TOY_VIDEO_WORLD
 
 
 @dataclass
@@ -55,20 +53,18 @@ class Args(TrainArgs):
     """keep the stored rollout steps on the CPU between rollout and training"""
 
 
+# What each preset is, why, and what it measured: docs/algorithms/grpo_guard.md#presets
 PRESETS = {
-    # The toy world (docs/toy-world.md): grpo's toy setting (8 prompts × 16 samples, clip 1e-3, KL 0.04) on
-    # GRPO-Guard's 6 steps, all of them SDE and trained (it has no window), at lr 1e-3: grpo's lr 3e-4 left it flat
-    # for 60 epochs (+0.05), 1e-3 gained +0.11 in 30 (seed 1).
+    # The toy world (docs/toy-world.md): grpo's toy setting on 6 steps, all SDE and trained (no window), at lr
+    # 1e-3 (grpo's 3e-4 left it flat).
     "toy": dict(TOY_WORLD, epochs=30, prompts_per_epoch=8, group_size=16, batch_size=32, updates_per_epoch=2,
                 num_steps=6, noise_level=0.7, learning_rate=1e-3, lora_rank=16, lora_alpha=16, clip_range=1e-3,
                 kl_beta=0.04, eval_every=10, save_every=10),
-    # The toy edit world (docs/toy-edit-world.md): the toy setting on its FLUX.1 Kontext, untuned and not measured
-    # on the edit world's current split (nft.py and grpo.py carry the tuned ones).
+    # The toy edit world (docs/toy-edit-world.md): the toy setting, untuned (nft.py and grpo.py carry tuned ones).
     "toy-edit": dict(TOY_EDIT_WORLD, epochs=30, prompts_per_epoch=8, group_size=16, batch_size=32, updates_per_epoch=2,
                      num_steps=6, noise_level=0.7, learning_rate=1e-3, lora_rank=16, lora_alpha=16, clip_range=1e-3,
                      kl_beta=0.04, eval_every=10, save_every=10),
-    # The toy video world (docs/toy-video-world.md): the toy setting on its Wan model, untuned and not measured
-    # there (nft.py and grpo.py carry the tuned ones).
+    # The toy video world (docs/toy-video-world.md): the toy setting, untuned (nft.py and grpo.py: tuned ones).
     "toy-video": dict(TOY_VIDEO_WORLD, epochs=30, prompts_per_epoch=8, group_size=16, batch_size=32,
                       updates_per_epoch=2, num_steps=6, noise_level=0.7, learning_rate=1e-3, lora_rank=16,
                       lora_alpha=16, clip_range=1e-3, kl_beta=0.04, eval_every=10, save_every=10),
@@ -77,8 +73,8 @@ PRESETS = {
                  group_size=8, batch_size=8, updates_per_epoch=2, num_steps=8, noise_level=0.8,
                  learning_rate=3e-2, lora_rank=8, lora_alpha=8, clip_range=1e-2, global_std=False,
                  eval_every=50, eval_num_prompts=8, save_every=50),
-    # Flow-GRPO's FLUX.1-dev PickScore setting (LoRA r64/α128, 6 rollout steps, η 0.9, group 24, 48 prompts, 28
-    # eval steps) with the regulated ratio and no KL: the paper regulates the clip instead of leaning on a KL.
+    # Flow-GRPO's FLUX.1-dev PickScore setting with the regulated ratio and no KL (the paper regulates
+    # the clip instead of leaning on a KL).
     "flux1-grpo-guard": dict(reward=["pickscore"], resolution=512, num_steps=6, eval_num_steps=28, noise_level=0.9,
                              group_size=24, prompts_per_epoch=48, batch_size=8, learning_rate=3e-4, clip_range=1e-4,
                              kl_beta=0.0, lora_rank=64, lora_alpha=128, epochs=1000, eval_every=20, save_every=20),

@@ -25,12 +25,10 @@ from common.sampling import sample_generators
 from common.solvers import dpm_solver_sample
 from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
                           setup, start_scoring)
-from common.toy import TOY_WORLD
-from common.toy_edit import TOY_EDIT_WORLD
-from common.toy_video import TOY_VIDEO_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
 from common.utils import UserError
 from rewards import load_run_rewards
+from worlds import TOY_WORLD, TOY_EDIT_WORLD, TOY_VIDEO_WORLD
 
 
 @dataclass
@@ -78,44 +76,38 @@ class Args(TrainArgs):
     """keep the stored rollout steps on the CPU between rollout and training"""
 
 
+# What each preset is, why, and what it measured: docs/algorithms/mixgrpo.md#presets
 PRESETS = {
-    # The toy world (docs/toy-world.md): grpo's toy setting (8 prompts × 16 samples, lr 3e-4, clip 1e-3, KL 0.04)
-    # with a 2-step window that starts at step 0 and moves one step every 50 epochs.
+    # The toy world (docs/toy-world.md): grpo's toy setting with a 2-step window that starts at step 0 and moves
+    # one step every 50 epochs.
     "toy": dict(TOY_WORLD, epochs=100, prompts_per_epoch=8, group_size=16, batch_size=32, updates_per_epoch=2,
                 num_steps=8, noise_level=0.7, window_size=2, iters_per_window=50, learning_rate=3e-4, lora_rank=16,
                 lora_alpha=16, clip_range=1e-3, kl_beta=0.04, eval_every=10, save_every=10),
-    # The toy edit world (docs/toy-edit-world.md): the strict reward, clip 1e-2, KL 0.01, evaluated with an EMA of the
-    # weights (0.99 an optimizer step), the whole transformer at lr 1e-4 (as nft and vgrpo train it) and a 3-step
-    # window held at steps 0–2 for the whole run (τ = epochs). A 2-step window at 0–1 levels off near +0.09, and
-    # moving it on to steps 2–3 and 3–4 loses held-out edits; a LoRA at lr 1e-3 passed +0.10 (two evaluations' mean)
-    # in seeds 1 and 3 but not in seed 2 under 17 settings. This one passes it in seeds 1–3 at epochs 120–140.
-    # 200 epochs, about 21 CPU-minutes (17 of them training): +0.14 / +0.10 / +0.10 at the end over seeds 1–3.
+    # The toy edit world (docs/toy-edit-world.md): the strict reward, an EMA for evaluation, the whole
+    # transformer, a 3-step window held at steps 0–2 (the only setting that passed in every seed).
     "toy-edit": dict(TOY_EDIT_WORLD, reward=["toy_edit,mode=strict"], epochs=200, prompts_per_epoch=8, group_size=16,
                      batch_size=32, updates_per_epoch=2, num_steps=8, noise_level=0.7, window_size=3,
                      iters_per_window=200, full_finetune=True, learning_rate=1e-4, clip_range=1e-2, kl_beta=0.01,
                      ema=True, ema_decay=0.99, eval_every=20, save_every=20),
-    # The toy video world (docs/toy-video-world.md): the toy setting on its Wan model, untuned and not measured
-    # there (nft.py and grpo.py carry the tuned ones).
+    # The toy video world (docs/toy-video-world.md): the toy setting, untuned (nft.py and grpo.py: tuned ones).
     "toy-video": dict(TOY_VIDEO_WORLD, epochs=100, prompts_per_epoch=8, group_size=16, batch_size=32,
                       updates_per_epoch=2, num_steps=8, noise_level=0.7, window_size=2, iters_per_window=50,
                       learning_rate=3e-4, lora_rank=16, lora_alpha=16, clip_range=1e-3, kl_beta=0.04, eval_every=10,
                       save_every=10),
-    # The embedded tiny FLUX.1 on a CPU: as grpo.py's tiny preset (docs/tiny-models.md). 12 steps: the window (4)
-    # sweeps steps 0..9 once in 100 epochs, and Flash replaces the 8 steps after a window at 0 by 2 solver steps.
+    # The embedded tiny FLUX.1 on a CPU: as grpo.py's tiny preset (docs/tiny-models.md), on 12 steps so that the
+    # window sweeps steps 0..9 once in 100 epochs.
     "tiny": dict(model_path="tiny", resolution=64, max_sequence_length=32, epochs=150, prompts_per_epoch=2,
                  group_size=8, batch_size=8, updates_per_epoch=2, num_steps=12, noise_level=0.8,
                  iters_per_window=10, learning_rate=3e-2, lora_rank=8, lora_alpha=8, clip_range=1e-2,
                  global_std=False, eval_every=50, eval_num_prompts=8, save_every=50),
-    # The paper's FLUX.1-dev setting (its finetune_flux_grpo_MixGRPO.sh): full fine-tuning at lr 1e-5, 720 px, 25
-    # steps, flow-sde η 0.7, window 4 moving by 1 every 25 iterations, 12 samples per prompt, one prompt per GPU on
-    # 32 GPUs, 4 optimizer steps per iteration, clip 1e-4, no KL, 300 iterations. The paper trains on HPS-v2.1
-    # (with ImageReward, CLIP in its multi-reward runs), which this repository does not ship: the preset uses
-    # PickScore, one of its evaluation rewards; pass --reward to change it.
+    # The paper's FLUX.1-dev setting (its finetune_flux_grpo_MixGRPO.sh), on PickScore: its HPS-v2.1 is
+    # not shipped.
     "flux1-mixgrpo": dict(reward=["pickscore"], resolution=720, num_steps=25, noise_level=0.7, window_size=4,
                           iters_per_window=25, full_finetune=True, learning_rate=1e-5, clip_range=1e-4,
                           prompts_per_epoch=32, group_size=12, batch_size=1, updates_per_epoch=4, global_std=False,
                           epochs=300, eval_every=25, save_every=25),
-    # MixGRPO-Flash: the same with the compressed DPM-Solver++ tail and 20 iterations per window position.
+    # MixGRPO-Flash: the same with the compressed DPM-Solver++ tail and 20 iterations per window
+    # position.
     "flux1-mixgrpo-flash": dict(reward=["pickscore"], resolution=720, num_steps=25, noise_level=0.7, window_size=4,
                                 iters_per_window=20, flash=True, full_finetune=True, learning_rate=1e-5,
                                 clip_range=1e-4, prompts_per_epoch=32, group_size=12, batch_size=1,

@@ -21,12 +21,10 @@ from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_ep
                           setup, start_scoring)
 from common.timesampling import (check_time_sampling, default_num_train, sample_train_noise, sample_train_sigmas,
                                  training_generators, training_seeds)
-from common.toy import TOY_WORLD
-from common.toy_edit import TOY_EDIT_WORLD
-from common.toy_video import TOY_VIDEO_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
 from common.utils import UserError
 from rewards import load_run_rewards
+from worlds import TOY_WORLD, TOY_EDIT_WORLD, TOY_VIDEO_WORLD
 
 
 @dataclass
@@ -64,45 +62,43 @@ class Args(TrainArgs):
     """… up to this cap: θ_old ← d·θ_old + (1 − d)·θ after every epoch"""
 
 
+# What each preset is, why, and what it measured: docs/algorithms/nft.md#presets
 PRESETS = {
-    # The toy world (docs/toy-world.md): the pretrained 0.46M-parameter FLUX.1 on the CPU. LoRA r16/α16 at lr 1e-3
-    # (2e-3, or r64/α128 at 1e-3, raised held-out strict success, then collapsed within 30-60 epochs as the KL to the
-    # reference blew up); 8 prompts × 8 samples per epoch; KL 0.1 keeps it near the pretrained model; 4 trained σ's
-    # of 8 DPM-Solver steps halve the cost of the reference's ⌊0.99·N⌋ at no loss seen. Four optimizer steps per
-    # epoch (16 samples each) instead of one: the same compute, 4× the updates; seeds 1 and 2 reached 0.61 and 0.58
-    # by epoch 30 (one step per epoch: 0.54 and 0.56) and stayed there to 40.
+    # The toy world (docs/toy-world.md): LoRA r16 at lr 1e-3 (faster settings collapsed), a KL to the pretrained
+    # model, 4 of 8 steps trained, 4 optimizer steps per epoch.
     "toy": dict(TOY_WORLD, epochs=30, prompts_per_epoch=8, group_size=8, batch_size=16, updates_per_epoch=4,
                 num_steps=8, train_timesteps=4, learning_rate=1e-3, lora_rank=16, lora_alpha=16, kl_beta=0.1,
                 eval_every=10, save_every=10),
-    # The toy edit world (docs/toy-edit-world.md): the toy setting, but the strict reward (all six checks; the mean
-    # of the checks moved held-out edits less) and a full fine-tune at lr 1e-4 (LoRA r16 at lr 1e-3 reached +0.08 in
-    # 100 epochs, the full fine-tune +0.10 in 70; seed 1, 16 eval seeds).
+    # The toy edit world (docs/toy-edit-world.md): the toy setting on the strict reward, a full fine-tune at
+    # lr 1e-4 (it gained more than the LoRA).
     "toy-edit": dict(TOY_EDIT_WORLD, reward=["toy_edit,mode=strict"], epochs=100, prompts_per_epoch=8, group_size=8,
                      batch_size=16, updates_per_epoch=4, num_steps=8, train_timesteps=4, full_finetune=True,
                      learning_rate=1e-4, kl_beta=0.1, eval_every=20, save_every=20),
-    # The toy video world (docs/toy-video-world.md): the toy setting as it is, 60 epochs (about 11 CPU-minutes):
-    # held-out strict success +0.18 to +0.24 over seeds 1-3, +0.10 reached by epoch 30 in each.
+    # The toy video world (docs/toy-video-world.md): the toy setting as it is, 60 epochs.
     "toy-video": dict(TOY_VIDEO_WORLD, epochs=60, prompts_per_epoch=8, group_size=8, batch_size=16,
                       updates_per_epoch=4, num_steps=8, train_timesteps=4, learning_rate=1e-3, lora_rank=16,
                       lora_alpha=16, kl_beta=0.1, eval_every=10, save_every=10),
-    # The embedded tiny FLUX.1 on a CPU: a ~80k-parameter model needs ~100× the papers' lr (docs/tiny-models.md).
-    # 6 rollout steps, 3 trained σ's and no KL keep an epoch at ~0.25 s.
+    # The embedded tiny FLUX.1 on a CPU (docs/tiny-models.md): ~100× the papers' lr, a short epoch.
     "tiny": dict(model_path="tiny", resolution=64, max_sequence_length=32, epochs=50, prompts_per_epoch=2,
                  group_size=8, batch_size=8, updates_per_epoch=1, num_steps=6, train_timesteps=3, kl_beta=0.0,
                  learning_rate=5e-2, lora_rank=8, lora_alpha=8, global_std=False, eval_every=25,
                  eval_num_prompts=8, save_every=25),
-    # DiffusionNFT's PickScore setting on FLUX.1-dev (the paper's runs are SD3.5-M: LoRA r32/α64, 10 steps at 512
-    # px, the same β, KL and decay): deterministic rollouts, group 16, 48 prompts, one step per epoch.
+    # DiffusionNFT's PickScore setting on FLUX.1-dev: deterministic rollouts, one optimizer step per epoch.
     "flux1": dict(reward=["pickscore"], resolution=512, num_steps=10, eval_num_steps=28, group_size=16,
                   prompts_per_epoch=48, batch_size=8, updates_per_epoch=1, learning_rate=3e-4, lora_rank=64,
                   lora_alpha=128, nft_beta=1.0, kl_beta=1e-4, decay_flat=0, decay_uprate=0.001, decay_uphold=0.5,
                   epochs=1000, eval_every=20, save_every=20),
-    # The reference's OCR setting: small β, θ_old frozen for 75 steps then a slow EMA, 2 optimizer steps per epoch.
+    # The reference's OCR setting: small β, θ_old frozen for 75 steps then a slow EMA, 2 optimizer steps per
+    # epoch.
     "flux1-ocr": dict(reward=["ocr"], resolution=512, num_steps=10, eval_num_steps=28, group_size=16,
                       prompts_per_epoch=48, batch_size=8, updates_per_epoch=2, learning_rate=3e-4, lora_rank=64,
                       lora_alpha=128, nft_beta=0.1, kl_beta=1e-4, decay_flat=75, decay_uprate=0.0075,
                       decay_uphold=0.999, epochs=1000, eval_every=20, save_every=20),
 }
+# The guard's demonstration (docs/guard.md): the toy setting trained on a hackable reward, the share of the canvas in
+# the prompt's colour, with the toy world's strict checks as the held-out judge.
+PRESETS["toy-hack"] = dict(PRESETS["toy"], reward=["toy_colour_share"], judge=["toy,mode=strict"],
+                           epochs=60, eval_every=5, save_every=10)
 
 
 def old_decay(step: int, flat: int, uprate: float, uphold: float) -> float:

@@ -27,10 +27,10 @@ from common.dynamics import sde_step
 from common.sampling import sample_generators
 from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
                           setup, start_scoring)
-from common.toy import TOY_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
 from common.utils import UserError
 from rewards import load_run_rewards
+from worlds import TOY_WORLD
 
 
 @dataclass
@@ -56,11 +56,10 @@ class Args(TrainArgs):
     """keep the stored rollout states on the CPU between rollout and training"""
 
 
+# What each preset is, why, and what it measured: docs/algorithms/opd.md#presets
 PRESETS = {
-    # The toy world (docs/toy-world.md): distil the count and shape teachers (nft.py's toy preset on
-    # data/toy_opd/count and shape) into one student on data/toy_opd: Euler, 8 steps, 0..6 trained, K 1, 8 prompts per
-    # task, 4 optimizer steps per epoch, LoRA r16/α16 at lr 1e-3 as nft's toy preset. The first setting tried: seeds
-    # 1-3 ended within 0.03 of each teacher on its own check, held-out strict +0.13 to +0.14 over the base.
+    # The toy world (docs/toy-world.md): distil nft's toy count and shape teachers into one student on
+    # data/toy_opd, at nft's toy LoRA and lr.
     "toy": dict(TOY_WORLD, dataset=str(Path(__file__).resolve().parent.parent / "data" / "toy_opd"), epochs=30,
                 prompts_per_epoch=16, group_size=1, batch_size=4, updates_per_epoch=4, num_steps=8,
                 learning_rate=1e-3, lora_rank=16, lora_alpha=16, eval_every=10, save_every=10),
@@ -68,10 +67,8 @@ PRESETS = {
     "tiny": dict(model_path="tiny", resolution=64, max_sequence_length=32, epochs=30, prompts_per_epoch=4,
                  group_size=1, batch_size=4, updates_per_epoch=1, num_steps=6, learning_rate=3e-2, lora_rank=8,
                  lora_alpha=8, eval_every=15, eval_num_prompts=4, save_every=15),
-    # The paper's SD3.5-M setting (Flow-Factory's port of the authors' `mopd`): 512 px, Euler, 10 steps (0..8
-    # trained), K 1, 24 prompts per teacher (72: three teachers), one optimizer step per epoch, lr 3e-4, LoRA r32/α64,
-    # student CFG 4.5, an EMA for evaluation (its decay is ours: theirs not checked). Teachers' CFG per teacher:
-    # `,guidance=4.5` (aesthetic, OCR), 1.0 (GenEval). Rewards are only logged; add the ones matching your teachers.
+    # The paper's SD3.5-M setting (Flow-Factory's port of the authors' `mopd`); rewards are only logged: add
+    # the ones matching your teachers.
     "sd3-mopd": dict(model="sd3", reward=["aesthetic"], resolution=512, num_steps=10, group_size=1,
                      prompts_per_epoch=72, batch_size=8, updates_per_epoch=1, learning_rate=3e-4, weight_decay=1e-4,
                      max_grad_norm=1.0, lora_rank=32, lora_alpha=64, guidance_scale=4.5, ema=True, epochs=1000,

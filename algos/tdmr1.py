@@ -12,6 +12,7 @@
 import math
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,10 +27,10 @@ from common.sampling import sample_generators
 from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
                           setup, start_scoring)
 from common.timesampling import sample_train_noise, training_generators
-from common.toy import TOY_DIR, TOY_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
 from common.utils import UserError
 from rewards import load_run_rewards
+from worlds import TOY_WORLD
 
 
 @dataclass
@@ -110,7 +111,7 @@ class Args(TrainArgs):
     """the cap of that d"""
 
 
-STUDENT_DIR = TOY_DIR / "student"  # the few-step toy student (`--preset toy-student`), a LoRA r16/α16
+STUDENT_DIR = Path(TOY_WORLD["dataset"]) / "student"  # the few-step toy student (`--preset toy-student`), a LoRA r16/α16
 TOY_STUDENT_STEPS = 4
 PRESETS = {
     # The toy world (docs/toy-world.md): distil the shipped 8-step model into a TOY_STUDENT_STEPS-step student

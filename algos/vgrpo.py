@@ -22,12 +22,10 @@ from common.sampling import sample, sample_generators
 from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
                           setup, start_scoring)
 from common.timesampling import check_time_sampling, sample_train_noise, sample_train_sigmas, training_generators
-from common.toy import TOY_WORLD
-from common.toy_edit import TOY_EDIT_WORLD
-from common.toy_video import TOY_VIDEO_WORLD
 from common.training import plan_micro_batches, rollout_micro_batches
 from common.utils import UserError
 from rewards import load_run_rewards
+from worlds import TOY_WORLD, TOY_EDIT_WORLD, TOY_VIDEO_WORLD
 
 
 @dataclass
@@ -63,34 +61,30 @@ class Args(TrainArgs):
     """also train on the samples of groups whose K rewards are equal (A = 0: no policy gradient; dropped by default)"""
 
 
+# What each preset is, why, and what it measured: docs/algorithms/vgrpo.md#presets
 PRESETS = {
-    # The toy world (docs/toy-world.md): nft's toy geometry (LoRA r16/α16 at lr 1e-3, 8 prompts × 8 samples, 8 DPM-
-    # Solver steps, 4 optimizer steps per epoch, KL 0.1 to the pretrained model) with N_MC 4 pairs per group and the
-    # KL to θ_old of the paper's multi-step stages. Seed 1: held-out strict success 0.41 → 0.65 in 30 epochs.
+    # The toy world (docs/toy-world.md): nft's toy geometry with N_MC 4 pairs per group and the KL to θ_old of
+    # the paper's multi-step stages.
     "toy": dict(TOY_WORLD, epochs=30, prompts_per_epoch=8, group_size=8, batch_size=16, updates_per_epoch=4,
                 num_steps=8, dynamics="dpm", train_timesteps=4, learning_rate=1e-3, lora_rank=16, lora_alpha=16,
                 kl_old=0.3, kl_beta=0.1, eval_every=10, save_every=10),
-    # The toy edit world (docs/toy-edit-world.md): the toy setting on the strict edit reward, the whole transformer
-    # fine-tuned at lr 1e-4 (nft's edit setting), 4 prompts × 16 samples (8 × 8 ended at +0.09 and +0.12 on seeds 1
-    # and 3). Held-out edits +0.10 (two consecutive evaluations' mean) in every seed 1–3, within 5–13 CPU-minutes
-    # of training; 200 epochs: about 16 CPU-minutes.
+    # The toy edit world (docs/toy-edit-world.md): the strict reward, the whole transformer at lr 1e-4
+    # (nft's edit setting), 4 prompts × 16.
     "toy-edit": dict(TOY_EDIT_WORLD, reward=["toy_edit,mode=strict"], epochs=200, prompts_per_epoch=4, group_size=16,
                      batch_size=16, updates_per_epoch=4, num_steps=8, dynamics="dpm", train_timesteps=4,
                      full_finetune=True, learning_rate=1e-4, kl_old=0.3, kl_beta=0.1, eval_every=20, save_every=20),
-    # The toy video world (docs/toy-video-world.md): the toy setting on its Wan model, untuned and not measured
-    # there (nft.py and grpo.py carry the tuned ones).
+    # The toy video world (docs/toy-video-world.md): the toy setting, untuned (nft.py and grpo.py: tuned ones).
     "toy-video": dict(TOY_VIDEO_WORLD, epochs=30, prompts_per_epoch=8, group_size=8, batch_size=16,
                       updates_per_epoch=4, num_steps=8, dynamics="dpm", train_timesteps=4, learning_rate=1e-3,
                       lora_rank=16, lora_alpha=16, kl_old=0.3, kl_beta=0.1, eval_every=10, save_every=10),
-    # The embedded tiny FLUX.1 on a CPU: a ~80k-parameter model needs ~100× the papers' lr (docs/tiny-models.md).
-    # nft's tiny setting: 6 rollout steps, 3 pairs, one optimizer step per epoch (the paper's Stage 1), no KL.
+    # The embedded tiny FLUX.1 on a CPU (docs/tiny-models.md): nft's tiny setting, one optimizer step per epoch
+    # (the paper's Stage 1).
     "tiny": dict(model_path="tiny", resolution=64, max_sequence_length=32, epochs=50, prompts_per_epoch=2,
                  group_size=8, batch_size=8, updates_per_epoch=1, num_steps=6, train_timesteps=3,
                  learning_rate=5e-2, lora_rank=8, lora_alpha=8, global_std=False, eval_every=25,
                  eval_num_prompts=8, save_every=25),
-    # Stage 1 of the paper's SD3.5-M setting (as VisualRL reads it): 40-step ODE rollouts without CFG, K 24, 48
-    # prompts, one optimizer step per rollout, N_MC 4, soft clip 3, no clip, no KL, LoRA r32/α64 at lr 3e-4, the
-    # group's own std; PickScore + CLIP here (its HPSv2.1 is not available).
+    # Stage 1 of the paper's SD3.5-M setting as VisualRL reads it, on PickScore + CLIP (its HPSv2.1 is not
+    # available).
     "sd3-vgrpo": dict(model="sd3", reward=["pickscore", "clip"], resolution=512, num_steps=40, guidance_scale=1.0,
                       dynamics="ode", group_size=24, prompts_per_epoch=48, batch_size=8, updates_per_epoch=1,
                       train_timesteps=4, adv_soft_clip=3.0, kl_old=0.0, kl_beta=0.0, learning_rate=3e-4,

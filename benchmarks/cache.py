@@ -42,7 +42,7 @@ def build_pipeline(path: Path, scale: int) -> dict:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from common.tiny import tiny_clip_tokenizer, tiny_t5_tokenizer
+    from common.models.tiny_parts import tiny_clip_tokenizer, tiny_t5_tokenizer
 
     torch.manual_seed(0)
     width = 64 * scale

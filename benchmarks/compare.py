@@ -1,6 +1,6 @@
 """Every algorithm in algos/ on one task, N seeds each: a metric against wall-clock and against samples seen.
 
-Default: the toy race. The toy world (common/toy.py, rewards/toy.py, data/toy/) is a CPU-sized GenEval; every
+Default: the toy race. The toy world (worlds/toy/, data/toy/) is a CPU-sized GenEval; every
 script of algos/ × seeds 1 2 3 runs its own `--preset toy` (the pretrained 2.7 MB FLUX.1 `--model-path toy`,
 `--dataset data/toy`, `--reward toy`, 32 px, 16 text tokens, and that algorithm's own M, K, steps, lr, clip, ...)
 for 768 rollout samples, compared on `eval_toy_strict`, the held-out GenEval-style success rate (all 36 test

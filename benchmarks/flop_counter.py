@@ -10,8 +10,8 @@ import torch
 from common.flops import FlopCounter
 from common.models import load_adapter
 from common.sampling import sample_generators
-from common.toy import toy_model_path
 from common.training import add_lora
+from worlds.toy.world import toy_model_path
 
 
 def seconds_per_call(adapter, x, cond, calls: int) -> tuple[float, float]:
@@ -41,7 +41,7 @@ if __name__ == "__main__":
     for _ in range(5):  # alternate, so that a slower stretch of the machine falls on both
         for counted in (False, True):
             if counted:
-                counter.attach(adapter.transformer)
+                counter.attach(adapter.transformer, adapter=adapter)
             times[counted].append(seconds_per_call(adapter, x, cond, 40))
             counter.detach()
     plain, counted = ([statistics.median(t[i] for t in times[c]) for i in (0, 1)] for c in (False, True))

@@ -18,9 +18,9 @@ import tyro
 from diffusers import FluxTransformer2DModel
 
 from common.dynamics import sde_step
-from common.models import FluxAdapter, load_adapter
+from common.models import load_adapter, tiny_model_path
+from common.models.flux import FluxAdapter
 from common.sampling import sample_generators
-from common.tiny import tiny_model_path
 from common.training import add_lora, trainable_parameters
 from common.utils import avoid_cudnn_attention, quiet_libraries, resolve_dtype
 

@@ -10,7 +10,7 @@ relative to the schedule's largest, for each setting; then a summary against FLU
 adapters' own `sigmas` on the published scheduler configs (FLUX.1-dev's dynamic shift at 512², SD3.5's static 3,
 Wan's UniPC flow schedule at flow_shift 3, 5, 12; HunyuanVideo-1.5's shift 5; LTX-2's token-fitted shift).
 
-Part 2 (autograd): the tiny Wan2.1 (random weights, real classes; common/tiny.py) with a fresh LoRA, rolled out with
+Part 2 (autograd): the tiny Wan2.1 (random weights, real classes; common/models/wan.py), a fresh LoRA, rolled out with
 flow-sde on two real Wan schedules; per step the autograd norm of ∂ log p / ∂v (× elements / ‖z‖: must equal k) and
 of ∂ log p / ∂θ over the LoRA weights, each relative to the schedule's largest step. Part 3: the same on the toy
 video world's Wan model with grpo.py's toy-video preset.
@@ -184,10 +184,10 @@ def print_autograd_table(title: str, rows) -> None:
 
 
 def tiny_wan(flow_shift: float):
-    """The tiny Wan2.1 pipeline (common/tiny.py) with a fresh LoRA and the real checkpoints' scheduler at
+    """The tiny Wan2.1 pipeline (common/models/wan.py) with a fresh LoRA and the real checkpoints' scheduler at
     `flow_shift` (the tiny build keeps shift 3)."""
     from common.models import load_adapter
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
     from common.training import add_lora
 
     adapter = load_adapter("wan", str(tiny_model_path("wan")), "cpu", torch.float32, 32, max_sequence_length=32,
@@ -215,7 +215,7 @@ def autograd_part(num_samples: int = 2) -> None:
 def toy_video_part(num_samples: int = 4) -> None:
     """The toy video world's Wan model (docs/toy-video-world.md) on grpo.py's toy-video preset: its schedule (the
     model's UniPC flow shift 5, 8 steps), flow-sde η 0.7, a fresh LoRA r16/α16, no CFG, training prompts. Without the
-    pretrained model (data/toy_video/model/, made by data/toy_video/pretrain.py) the same pipeline at random init,
+    pretrained model (data/toy_video/model/, made by worlds/toy_video/pretrain.py) the same pipeline at random init,
     saved and reloaded through from_pretrained, stands in, and the table says so."""
     import tempfile
     from pathlib import Path
@@ -223,9 +223,9 @@ def toy_video_part(num_samples: int = 4) -> None:
     from common.cache import PromptEncoder
     from common.data import Prompt
     from common.models import load_adapter
-    from common.toy import toy_model_path
-    from common.toy_video import build_toy_video_pipeline, video_split
     from common.training import add_lora
+    from worlds.toy.world import toy_model_path
+    from worlds.toy_video.world import build_toy_video_pipeline, video_split
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "algos"))
     from grpo import PRESETS  # the preset's values, not a copy of them

@@ -28,7 +28,7 @@ SCRIPTS = sorted(p.stem for p in (REPO / "algos").glob("*.py") if p.stem != "opd
 # black-forest-labs/FLUX.1-dev transformer/config.json, but the block counts (set by --double/--single-layers).
 FLUX1_DEV = dict(patch_size=1, in_channels=64, attention_head_dim=128, num_attention_heads=24,
                  joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
-# The tiny FLUX.1's widths (common/tiny.py's scale), for a CPU smoke run.
+# The tiny FLUX.1's widths (`build_tiny_flux1` in common/models/flux.py), for a CPU smoke run.
 TINY = dict(patch_size=1, in_channels=16, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
             pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
 
@@ -71,7 +71,7 @@ def build_pipeline(path: Path, args: Args) -> int:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from common.tiny import tiny_clip_tokenizer, tiny_t5_tokenizer
+    from common.models.tiny_parts import tiny_clip_tokenizer, tiny_t5_tokenizer
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"

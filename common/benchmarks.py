@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import gather_object
 
-from common.data import Prompt
+from common.data import Prompt, text_lines
 from common.sampling import sample, sample_generators
 from common.tracking import save_image_grid
 from common.utils import UserError, write_text_atomic
@@ -35,7 +35,7 @@ def load_geneval2(path: Path) -> list[BenchmarkPrompt]:
     if not path.is_file():
         raise UserError(f"--benchmark-prompts {str(path)!r} is not a file")
     records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(text_lines(path), start=1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
@@ -55,9 +55,9 @@ def load_geneval2(path: Path) -> list[BenchmarkPrompt]:
         if not (isinstance(item.get("atoms"), list) and item["atoms"]
                 and all(isinstance(a, str) and a.strip() for a in item["atoms"])):
             problems.append("\"atoms\" (a non-empty list of yes/no questions)")
-        if not (isinstance(seeds, list) and seeds and all(type(x) is int and x >= 0 for x in seeds)
-                and len(set(seeds)) == len(seeds)):
-            problems.append("\"seed\" or \"seeds\" (distinct non-negative integers)")
+        if not (isinstance(seeds, list) and seeds and all(type(x) is int and 0 <= x < 2**63 for x in seeds)
+                and len(set(seeds)) == len(seeds)):  # int64, as every seed of the package
+            problems.append("\"seed\" or \"seeds\" (distinct integers from 0 to 2^63 - 1)")
         if problems:
             raise UserError(f"{where}: needs {', '.join(problems)}")
         records.append(BenchmarkPrompt(item["prompt"], item["category"].strip(), tuple(item["atoms"]), tuple(seeds),
@@ -100,12 +100,14 @@ def aggregate(prompts: list[dict], metrics) -> dict:
                                                   for c in categories}}
 
 
-def benchmark_table(name: str, benchmark: str, tables: dict, metrics) -> str:
+def benchmark_table(name: str, benchmark: str, tables: dict, metrics, imputed: int, asked: int, judge: VlmJudge) -> str:
     lines = [f"{benchmark} of {name}", "", "| category | prompts | " + " | ".join(metrics) + " |",
              "|---|---|" + "---|" * len(metrics)]
     for category, row in [*tables["categories"].items(), ("all", tables["all"])]:
         cells = [f"{row[m]:.4f} ± {row[m + '_se']:.4f}" for m in metrics]
         lines.append(f"| {category} | {row['prompts']} | " + " | ".join(cells) + " |")
+    lines += ["", f"imputed atoms: {imputed} of {asked} (the judge's answer held neither yes nor no among its top "
+                  f"{judge.top_logprobs} tokens: scored 0.5)"]
     return "\n".join(lines)
 
 
@@ -135,19 +137,24 @@ def run_benchmark(benchmark: str, name: str, epoch: int, s: Namespace, adapter, 
                 atoms = [a for (r, _), a in zip(questions, answers) if r == row]
                 save_image_grid(images[row:row + 1], samples_dir / f"{i:04d}_seed{seed}.png", columns=1)
                 results.append(((i, seed), atoms))
-    by_item = dict(gather_object(results))
+    by_item = dict(gather_object(results))  # (prompt, seed) -> its atoms' P(yes), None where imputed
     prompts = []
     for i, record in enumerate(records):
-        samples = [{"seed": seed, "atoms": by_item[(i, seed)], **score_sample(by_item[(i, seed)])}
-                   for seed in record.seeds]
+        samples = []
+        for seed in record.seeds:
+            atoms = [0.5 if a is None else a for a in by_item[(i, seed)]]
+            samples.append({"seed": seed, "atoms": atoms, "imputed": sum(a is None for a in by_item[(i, seed)]),
+                            **score_sample(atoms)})
         prompts.append({"prompt": record.prompt, "category": record.category, "questions": list(record.atoms),
                         "samples": samples, **{m: sum(x[m] for x in samples) / len(samples) for m in metrics}})
     tables = aggregate(prompts, metrics)
+    every = [x for p in prompts for x in p["samples"]]
+    imputed, asked = sum(x["imputed"] for x in every), sum(len(x["atoms"]) for x in every)
     result = {"name": name, "epoch": epoch, "benchmark": benchmark, "judge": f"{judge.model} at {judge.url}",
               **{f"{benchmark}_{m}{tail}": tables["all"][m + tail] for m in metrics for tail in ("", "_se")},
-              "tables": tables, "prompts": prompts}
+              "imputed_atoms": imputed, "atoms": asked, "tables": tables, "prompts": prompts}
     if accelerator.is_main_process:
-        text = benchmark_table(name, benchmark, tables, metrics)
+        text = benchmark_table(name, benchmark, tables, metrics, imputed, asked, judge)
         print(text, flush=True)
         folder.mkdir(parents=True, exist_ok=True)
         write_text_atomic(folder / f"{name}-{benchmark}.md", text + "\n")

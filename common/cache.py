@@ -35,7 +35,7 @@ MANIFEST = "manifest.json"
 
 
 def default_cache_root() -> Path:
-    from common.tiny import tiny_cache_root
+    from common.models.tiny_parts import tiny_cache_root
 
     return tiny_cache_root() / "embeddings"
 

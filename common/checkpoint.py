@@ -53,12 +53,13 @@ def _rng_state() -> dict:
 
 
 def save_checkpoint(accelerator, output_dir: str | Path, epoch: int, write_weights, states: dict,
-                    meta: dict, keep: int = 2, model=None) -> Path:
+                    meta: dict, keep: int = 2, model=None, pinned: set[str] = frozenset()) -> Path:
     """write_weights(folder) writes the model weights (called on the main process only). `states` maps
     names to state dicts saved in training_state.pt. All processes must call this. With `model`, its full
     state dict is gathered on every process first (FSDP2 shards: a collective) and passed on as
     write_weights(folder, state). A failed write (a full disk) stops the run with one line, removes the temporary
-    folder and leaves the previous checkpoints as they were."""
+    folder and leaves the previous checkpoints as they were. The `keep` newest checkpoints stay, and those named in
+    `pinned` (the guard's best evaluations, common.guard)."""
     root = Path(output_dir) / "checkpoints"
     final = root / f"epoch_{epoch:06d}"
     tmp = root / f".epoch_{epoch:06d}.tmp"
@@ -94,7 +95,8 @@ def save_checkpoint(accelerator, output_dir: str | Path, epoch: int, write_weigh
             os.replace(tmp, final)
         write_text_atomic(root / "latest", final.name)
         for old in sorted(root.glob("epoch_*"))[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+            if old.name not in pinned:
+                shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
 

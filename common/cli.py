@@ -4,6 +4,7 @@ presets, and the checks that turn bad values into one-line errors before anythin
 import contextlib
 import dataclasses
 import io
+import json
 import math
 import os
 import sys
@@ -14,15 +15,13 @@ from typing import Annotated, ClassVar, Literal
 import tyro
 
 from common.data import default_dataset
+from common.models.registry import CONDITIONED_MODELS, DEFAULT_MODEL, MODELS, TWO_EXPERT_MODELS, VIDEO_MODELS
 from common.training import check_updates_per_epoch
 from common.utils import UserError, avoid_cudnn_attention, install_user_error_hook, quiet_libraries
 
-# Kept here, not read off the adapters, so that parsing flags imports no model code (tests check they agree).
-# Every --model name (common.models.ADAPTERS has one adapter per name; tests/test_models.py checks they agree), here
-# so that the scripts, preprocess.py and evaluate.py parse it without importing the adapters.
-ModelName = Literal["flux1", "sd3", "qwen-image", "wan", "flux1-kontext", "qwen-image-edit", "wan-i2v", "flux2",
-                    "flux2-klein", "z-image", "wan2.2", "wan2.2-5b", "qwen-image-2.1", "ltx2", "wan2.2-i2v",
-                    "hunyuan-video-1.5", "hunyuan-video-1.5-i2v", "ltx2-i2v"]
+# Every --model name, from the registry (common/models/registry.py, which imports no model code), so that the scripts,
+# preprocess.py and evaluate.py parse it without importing the adapters.
+ModelName = Literal[tuple(MODELS)]
 # diffusers' attention backends (`diffusers.models.attention_dispatch.AttentionBackendName`; tests check they agree),
 # here so that a misspelt --attention-backend is refused, with the choices, before anything is loaded.
 AttentionBackend = Literal["native", "flash", "flash_varlen", "flash_hub", "flash_varlen_hub", "flash_4_hub",
@@ -31,11 +30,6 @@ AttentionBackend = Literal["native", "flash", "flash_varlen", "flash_hub", "flas
                            "_native_npu", "_native_xla", "sage", "sage_hub", "sage_blackwell_hub", "sage_varlen",
                            "_sage_qk_int8_pv_fp8_cuda", "_sage_qk_int8_pv_fp8_cuda_sm90",
                            "_sage_qk_int8_pv_fp16_cuda", "_sage_qk_int8_pv_fp16_triton", "xformers"]
-VIDEO_MODELS = ("wan", "wan-i2v", "wan2.2", "wan2.2-5b", "ltx2", "wan2.2-i2v", "hunyuan-video-1.5",
-                "hunyuan-video-1.5-i2v", "ltx2-i2v")
-CONDITIONED_MODELS = ("flux1-kontext", "qwen-image-edit", "wan-i2v", "qwen-image-2.1", "wan2.2-i2v",
-                      "hunyuan-video-1.5-i2v", "ltx2-i2v")  # qwen-image-2.1: also text-to-image
-TWO_EXPERT_MODELS = ("wan2.2", "wan2.2-i2v")
 
 NON_FINITE_NOTE = ("A non-finite reward, loss or gradient norm stops the run with one line naming the epoch and the "
                    "quantity, before the optimizer step and before anything of that epoch is written; a checkpoint is "
@@ -65,7 +59,7 @@ class TrainArgs:
     """continue from the newest complete checkpoint in --output-dir"""
 
     # Model
-    model: ModelName = "flux1"
+    model: ModelName = DEFAULT_MODEL
     """model family (flux1-kontext, qwen-image-edit: image editing; wan-i2v, wan2.2-i2v, hunyuan-video-1.5-i2v,
     ltx2-i2v: image-to-video; their datasets give each prompt a condition image)"""
     model_path: str | None = None
@@ -75,8 +69,9 @@ class TrainArgs:
     """weights dtype: auto is bf16 on GPU and float32 on CPU; step and loss math is float32 whatever it is"""
     resolution: int = 512
     """image height and width"""
-    max_sequence_length: int = 512
-    """prompt length in text-encoder tokens (longer prompts are truncated, with a warning)"""
+    max_sequence_length: int | None = None
+    """prompt length in text-encoder tokens (longer prompts are truncated, with a warning; unset: the model's own,
+    its pipeline's default: docs/models.md)"""
     num_frames: int | None = None
     """frames of a video model (the Wan models: 4k + 1; unset: 33); image models take none"""
     train_experts: Literal["high", "low", "both"] | None = None
@@ -117,6 +112,23 @@ class TrainArgs:
     """normalise advantages by the std over the whole epoch instead of the group's own (the references' default)"""
     adv_clip_max: float = 5.0
     """advantages are clamped to ±this"""
+    judge: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
+    """a held-out judge: a reward (the --reward syntax) scored only at evaluation, on the test prompts, never trained
+    on; logged as eval_judge_<name> and watched by --guard; repeat the flag for several (docs/guard.md)"""
+    guard: Literal["off", "warn", "stop", "rollback"] | None = None
+    """what the reward-hacking guard does when a judge stays below its best while the training reward's evaluation
+    rises: warn (one line, a metrics key), stop (checkpoint, exit 3), rollback (restore the judge's best checkpoint,
+    raise the KL weight, go on) (unset: warn with a --judge, else off)"""
+    guard_patience: int = 2
+    """evaluations in a row a judge must be hacked before the guard acts"""
+    guard_margin: float = 2.0
+    """how far below its best a judge must be, in standard errors of the difference of the two evaluations"""
+    guard_kl_factor: float = 10.0
+    """rollback: the KL weight (--kl-beta) is multiplied by this …"""
+    guard_kl_floor: float = 0.01
+    """… and raised to at least this (so a run with no KL gets one)"""
+    guard_max_rollbacks: int = 2
+    """rollback: the guard stops the run (as --guard stop) when hacking is found after this many rollbacks"""
 
     # Training
     epochs: int = 300
@@ -255,6 +267,8 @@ def parse_args(args_class, presets: dict[str, dict] | None = None, description: 
         args.exp_name = Path(sys.argv[0]).stem
     if hasattr(args, "dataset") and args.dataset is None:  # preprocess.py's Args has one too
         args.dataset = default_dataset(args.model)
+    if getattr(args, "max_sequence_length", 0) is None and getattr(args, "model", None) is not None:
+        args.max_sequence_length = MODELS[args.model].text_length  # the model's own; preprocess.py's Args has one too
     check_finite(args)
     (check or check_args)(args)
     return args
@@ -286,8 +300,9 @@ _AT_LEAST = [("epochs", 1, ""), ("prompts_per_epoch", 1, ""), ("group_size", 2, 
              ("lr_warmup_steps", 0, ""), ("lora_rank", 1, ""), ("max_sequence_length", 1, ""), ("resolution", 1, ""),
              ("eval_every", 0, ""), ("eval_num_prompts", 1, ""), ("eval_seeds", 1, ""), ("save_every", 0, ""),
              ("keep_checkpoints", 1, ""), ("weight_decay", 0, ""), ("reward_workers", 0, ""),
-             ("sequence_parallel", 1, "")]
-_POSITIVE = ["lora_alpha", "max_grad_norm", "adv_clip_max"]
+             ("sequence_parallel", 1, ""), ("guard_patience", 1, ""), ("guard_margin", 0, ""),
+             ("guard_kl_factor", 1, ""), ("guard_max_rollbacks", 1, "")]
+_POSITIVE = ["lora_alpha", "max_grad_norm", "adv_clip_max", "guard_kl_floor"]
 
 
 def launched_data_ranks(args) -> int:
@@ -335,14 +350,63 @@ def check_args(args) -> None:
         init_lora_folder(args.init_lora, args.model)
     if args.eval_hf_reference is not None and not Path(args.eval_hf_reference).is_file():
         raise UserError(f"--eval-hf-reference {args.eval_hf_reference} is not a file")
+    check_guard(args)
     if args.condition_size is not None and args.model not in CONDITIONED_MODELS:
         raise UserError(f"--condition-size applies to conditioned models ({', '.join(CONDITIONED_MODELS)}), "
                         f"not to {args.model}")
 
 
+def check_guard(args) -> None:
+    """--guard's default (warn with a judge, else off) and the settings it cannot act on."""
+    if args.guard is None:
+        args.guard = "warn" if args.judge else "off"
+    if args.guard == "off":
+        return
+    if not args.judge:
+        raise UserError(f"--guard {args.guard} watches judges: give at least one --judge (e.g. --judge "
+                        f"toy,mode=strict)")
+    if not args.eval_every:
+        raise UserError(f"--guard {args.guard} acts at evaluations: --eval-every must be at least 1")
+    if args.guard == "rollback" and not hasattr(args, "kl_beta"):
+        raise UserError("--guard rollback raises the KL weight, and this script has none (--kl-beta): use --guard "
+                        "warn or stop")
+
+
+# The flags a --resume may change, each named in one printed line (docs/running.md#outputs-checkpoints-resume): how
+# long the run goes on, the optimizer's step size and clipping, evaluation, checkpoints, logging, and how the same
+# computation is laid out on the hardware (micro-batches, memory switches, kernels, precision, sequence parallelism,
+# the embedding cache), which moves the results by rounding at most. Every other flag, each script's own included,
+# changes what is sampled or what is optimised, and a resume that changes one is refused; a flag added later is
+# refused until it is listed here.
+RESUMABLE_FLAGS = ("exp_name", "preset", "track", "wandb_project", "dtype", "cache_dir", "cache", "attention_backend",
+                   "epochs", "batch_size", "learning_rate", "lr_schedule", "lr_warmup_steps", "weight_decay",
+                   "max_grad_norm", "ema", "ema_decay", "gradient_checkpointing", "reward_device", "reward_workers",
+                   "sequence_parallel", "peak_tflops", "eval_every", "eval_num_prompts", "eval_seeds",
+                   "eval_num_steps", "eval_hf_reference", "save_every", "keep_checkpoints", "offload_trajectories",
+                   # the held-out judges and the guard watch the run; they change neither samples nor objective
+                   "judge", "guard", "guard_patience", "guard_margin", "guard_kl_factor", "guard_kl_floor",
+                   "guard_max_rollbacks")
+_WHERE = ("output_dir", "resume")  # where the run is, and that it goes on: never compared
+
+
+def _flag_values(args) -> dict:
+    """Every flag of `args` as the JSON value a checkpoint's meta.json records."""
+    return json.loads(json.dumps(vars(args), default=str))
+
+
 def run_defining_flags(args) -> dict:
-    """The flags that define what a run is (the algorithm is the script's name): a --resume that changes one of
-    them is refused; the others (learning rate, epochs, evaluation, ...) may change between sessions."""
-    names = ["seed", "model", "prompts_per_epoch", "group_size", "full_finetune", "lora_rank", "lora_alpha",
-             "init_lora", "merge_init_lora"]
-    return {"algorithm": Path(sys.argv[0]).stem, **{name: getattr(args, name) for name in names}}
+    """The flags that define what a run is: the algorithm (the script's name) and every flag but RESUMABLE_FLAGS."""
+    return {"algorithm": Path(sys.argv[0]).stem,
+            **{k: v for k, v in _flag_values(args).items() if k not in RESUMABLE_FLAGS + _WHERE}}
+
+
+def changed_on_resume(args, saved: dict, also_resumable: tuple[str, ...] = ()) -> tuple[list, list]:
+    """The flags whose values differ from `saved` (those the resumed checkpoint was written with; a flag it does not
+    record is not compared), as (flag, value now, saved value): (the run-defining ones, the others, RESUMABLE_FLAGS
+    and `also_resumable`)."""
+    defining, others = [], []
+    for name, value in _flag_values(args).items():
+        if name not in _WHERE and name in saved and saved[name] != value:
+            change = (f"--{name.replace('_', '-')}", value, saved[name])
+            (others if name in RESUMABLE_FLAGS + also_resumable else defining).append(change)
+    return defining, others

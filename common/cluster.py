@@ -14,10 +14,12 @@ checkpoint between its signal and its SIGKILL.
 """
 
 import atexit
+import errno
 import fcntl
 import os
 import signal
 import socket
+import stat
 import sys
 from pathlib import Path
 
@@ -36,7 +38,7 @@ def lock_output_dir(output_dir: Path) -> None:
     changing anything. A file system without flock (e.g. Lustre mounted without -o flock) runs unlocked, with a
     warning."""
     path = output_dir / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    fd = _open_lock_file(path, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -56,13 +58,36 @@ def lock_output_dir(output_dir: Path) -> None:
     atexit.register(os.ftruncate, fd, 0)
 
 
+def _open_lock_file(path: Path, flags: int) -> int:
+    """A descriptor of the lock file, which a run empties and writes: never through a symbolic link, a hard link or
+    anything but a plain file (one planted in a shared runs folder would have the run truncate the file it names);
+    such a path is refused with one line and left as it is."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)  # O_NONBLOCK: a FIFO does not hang the open
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise UserError(f"{path} is a symbolic link, not a lock file: a run never writes through it; remove it "
+                            f"or choose another --output-dir") from None
+        raise UserError(f"cannot open the lock file {path} ({err.strerror})") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+        os.close(fd)
+        what = "a hard link to another file" if stat.S_ISREG(info.st_mode) else "not a plain file"
+        raise UserError(f"{path} is {what}, not a lock file: a run never writes through it; remove it or choose "
+                        f"another --output-dir")
+    return fd
+
+
 def output_dir_holder(output_dir: Path) -> str | None:
     """"PID HOST" of the live run that holds OUTPUT_DIR/.lock, or None when no run does (the lock is tried and
     released at once): for a tool that is about to clear a run folder, as benchmarks/compare.py is."""
     path = Path(output_dir) / LOCK_FILE
     if not path.exists():
         return None
-    fd = os.open(path, os.O_RDONLY)
+    try:  # a symbolic link or a FIFO is no run's lock (runs refuse them): not followed, not waited on
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -8,6 +8,7 @@ prompt's conditions.
 """
 
 import hashlib
+import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,12 +25,13 @@ DEFAULT_CONDITIONED_DATASET = str(Path(__file__).resolve().parent.parent / "data
 
 def default_dataset(model: str) -> str:
     """The dataset a run reads when --dataset is unset: data/prompts, or data/toy_edit for conditioned models."""
-    from common.cli import CONDITIONED_MODELS
+    from common.models.registry import CONDITIONED_MODELS
 
     return DEFAULT_CONDITIONED_DATASET if model in CONDITIONED_MODELS else DEFAULT_DATASET
 
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+EXIF_ORIENTATION = 0x0112  # the EXIF tag that diffusers' load_image (ImageOps.exif_transpose) turns images by
 
 
 @dataclass(frozen=True)
@@ -58,20 +60,52 @@ class Prompt:
         return (self.negative_prompt if negative else self.prompt) + self._images_part
 
 
+def prompts_digest(records: list[Prompt]) -> str:
+    """sha256 of the records in order (texts, condition images and tasks, through their keys), which a checkpoint
+    records for its training prompts: a resume then sees an edited dataset, not only a moved one."""
+    return hashlib.sha256(b"".join(record.key.to_bytes(8, "little") for record in records)).hexdigest()
+
+
+def _as_rgb(image):
+    """A condition image as diffusers' `load_image` gives it to the pipelines: turned by its EXIF orientation, then
+    RGB. A 16-bit greyscale PNG (mode I;16 or I, values to 65535), which convert("RGB") would clip at 255, is scaled
+    to 8 bits first (16-bit colour PNGs open as 8-bit RGB already)."""
+    from PIL import Image, ImageOps
+
+    image = ImageOps.exif_transpose(image)
+    if image.mode.startswith("I"):
+        scaled = np.round(np.asarray(image, dtype=np.float64) / 257).clip(0, 255)
+        image = Image.fromarray(scaled.astype(np.uint8), "L")
+    return image.convert("RGB")
+
+
 def load_images(paths) -> list:
-    """The condition images at `paths` as RGB PIL images."""
+    """The condition images at `paths` as RGB PIL images (`_as_rgb`)."""
     from PIL import Image
 
     images = []
     for path in paths:
         with Image.open(path) as image:
-            images.append(image.convert("RGB"))
+            images.append(_as_rgb(image))
     return images
 
 
-def _condition_images(item: dict, folder: Path, where: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The `image`/`images` field of a JSONL record: checked, resolved against the dataset folder, hashed."""
-    from PIL import Image, UnidentifiedImageError
+def condition_image_size(path: str) -> tuple[int, int]:
+    """(width, height) of the condition image at `path` as the model receives it (`load_images`): an EXIF orientation
+    that turns it a quarter swaps them. Reads the header, not the pixels."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        width, height = image.size
+        turned = image.getexif().get(EXIF_ORIENTATION) in (5, 6, 7, 8)  # transposed or a quarter turn
+    return (height, width) if turned else (width, height)
+
+
+def _condition_images(item: dict, folder: Path, where: str,
+                      decoded: set) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The `image`/`images` field of a JSONL record: checked (each file decoded in full, once per contents, in
+    `decoded`), resolved against the dataset folder, hashed."""
+    from PIL import Image
 
     if "image" in item and "images" in item:
         raise UserError(f"{where}: has both \"image\" and \"images\": give one")
@@ -85,20 +119,27 @@ def _condition_images(item: dict, folder: Path, where: str) -> tuple[tuple[str, 
         if not path.is_file():
             raise UserError(f"{where}: condition image {name!r} does not exist ({path})")
         data = path.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
         try:
-            with Image.open(path) as image:
+            with Image.open(io.BytesIO(data)) as image:
                 image.verify()
                 kind = image.format
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+            if kind in IMAGE_FORMATS and digest not in decoded:
+                # verify() checks a PNG's chunk checksums, not its compressed pixels: decode them all now, as
+                # the encoder will, rather than fail there (hours in, and again at every resume)
+                with Image.open(io.BytesIO(data)) as image:
+                    _as_rgb(image)
+                decoded.add(digest)
+        except Exception as err:  # PIL's decoders raise many kinds (OSError, SyntaxError, struct.error, ...)
             raise UserError(f"{where}: condition image {name!r} is not a readable image ({err})") from None
         if kind not in IMAGE_FORMATS:
             raise UserError(f"{where}: condition image {name!r} is {kind}; use PNG, JPEG or WebP")
         paths.append(str(path))
-        digests.append(hashlib.sha256(data).hexdigest())
+        digests.append(digest)
     return tuple(paths), tuple(digests)
 
 
-def _lines(path: Path) -> list[str]:
+def text_lines(path: Path) -> list[str]:
     """The file's lines, without a UTF-8 byte-order mark (editors on Windows write one; it would stay in the first
     prompt, or break the first JSON line); a byte sequence that is not UTF-8 is reported with its file and line."""
     lines = path.read_bytes().removeprefix(b"\xef\xbb\xbf").split(b"\n")
@@ -121,9 +162,9 @@ def load_prompts(dataset: str | Path, split: str) -> list[Prompt]:
     jsonl, txt = folder / f"{split}.jsonl", folder / f"{split}.txt"
     if jsonl.exists() and txt.exists():
         raise UserError(f"dataset folder {str(folder)!r} has both {split}.jsonl and {split}.txt: keep one")
-    records = []
+    records, decoded = [], set()
     if jsonl.exists():
-        for number, line in enumerate(_lines(jsonl), start=1):
+        for number, line in enumerate(text_lines(jsonl), start=1):
             if not line.strip():
                 continue
             try:
@@ -138,12 +179,12 @@ def load_prompts(dataset: str | Path, split: str) -> list[Prompt]:
             task = item.get("task") or ""
             if not isinstance(task, str):
                 raise UserError(f"{jsonl}:{number}: \"task\" must be a string")
-            images, digests = _condition_images(item, folder, f"{jsonl}:{number}")
+            images, digests = _condition_images(item, folder, f"{jsonl}:{number}", decoded)
             records.append(Prompt(item["prompt"], negative, images, digests, task.strip(), source=f"{jsonl}:{number}"))
         source = jsonl
     elif txt.exists():
         records = [Prompt(line.strip(), source=f"{txt}:{number}")
-                   for number, line in enumerate(_lines(txt), start=1) if line.strip()]
+                   for number, line in enumerate(text_lines(txt), start=1) if line.strip()]
         source = txt
     else:
         raise UserError(f"dataset folder {str(folder)!r} has neither {split}.jsonl nor {split}.txt")

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from common.models.base import AudioVideo
-from common.parallel import gather_objects
+from common.parallel import gather_objects, scored_once
 from common.sampling import sample, sample_generators
 from common.scoring import condition_tensors, score_samples
 from common.tracking import log_image, save_image_grid, save_wav
@@ -18,8 +18,8 @@ from common.tracking import log_image, save_image_grid, save_wav
 
 def evaluate_prompts(adapter, accelerator, encode, rewards: list, prompts: list, seeds_per_prompt: int,
                      num_steps: int, batch_size: int, guidance: float, grid: Path | None = None,
-                     step: int = 0, best_of: bool = False, hf_reference: dict | None = None,
-                     items_out: list | None = None) -> dict:
+                     step: int = 0, best_of: bool = False, prompt_gap: bool = False,
+                     hf_reference: dict | None = None, items_out: list | None = None) -> dict:
     """Euler-ODE samples of `prompts` × `seeds_per_prompt` fixed seeds with the adapter's transformer as it is now,
     split over the processes (`accelerator`: an Accelerator, or a common.parallel.DataParallel whose data-parallel
     ranks split them) in batches of `batch_size`: each pointwise reward's mean (`eval_reward_<name>`, and
@@ -31,7 +31,10 @@ def evaluate_prompts(adapter, accelerator, encode, rewards: list, prompts: list,
     `step`. With `best_of`, also `eval_<key>_best_of_<seeds>`: the mean over prompts of each prompt's best sample
     (for a pass/fail check, the share of prompts that some seed gets right). Audio-video models: the grid shows the
     frames, and each sample in it has its sound beside the grid, `<grid name>_audio/prompt<i>_seed<s>.wav`.
-    Images (not videos) also give `eval_hf_ratio`, the mean of `hf_share`; with `hf_reference` (`load_hf_reference`)
+    Judges (`Reward.judge`, --judge) are scored like rewards but logged as `eval_judge_<name>` and left out of
+    eval_reward_mean. With `prompt_gap`, every reward and judge also scores each sample against another prompt (the
+    next one of `prompts`, a fixed derangement): `prompt_gap_<name>` = mean own − mean shuffled score, with its
+    standard error over the samples' paired differences. Images (not videos) also give `eval_hf_ratio`, the mean of `hf_share`; with `hf_reference` (`load_hf_reference`)
     covering every (prompt, seed) scored, `eval_blur_ratio` and `eval_blur_ratio_correct` (`blur_ratio`). With
     `items_out`, the main process appends one {"prompt", "seed", "hf", "strict"} per sample (a reference file's
     items: `save_hf_reference`)."""
@@ -50,15 +53,27 @@ def evaluate_prompts(adapter, accelerator, encode, rewards: list, prompts: list,
             images = decoded.video if isinstance(decoded, AudioVideo) else decoded
             texts = [prompts[i].prompt for i, _ in batch]
             conditions = [prompts[i].images for i, _ in batch]
-            named = {}
-            raw = score_samples(pointwise, decoded, texts, torch.tensor([prompts[i].key for i, _ in batch]),
-                                conditions=conditions, columns=named)
-            checks = {f"{r.name}_{name}": values for r in pointwise if hasattr(r.score, "checks")
-                      for name, values in r.score.checks(images, texts, *(
-                          [condition_tensors(conditions)] if r.wants_conditions else [])).items()}
-            checks.update({f"reward_{key}": values for key, values in named.items()})
-            if images.ndim == 4:  # images, not videos: the blur measure of every sample
-                checks["hf_ratio"] = hf_share(images).numpy()
+
+            def score():  # called at once, in this iteration
+                named = {}
+                raw = score_samples(pointwise, decoded, texts, torch.tensor([prompts[i].key for i, _ in batch]),
+                                    conditions=conditions, columns=named)
+                checks = {f"{r.name}_{name}": values for r in pointwise if hasattr(r.score, "checks")
+                          for name, values in r.score.checks(images, texts, *(
+                              [condition_tensors(conditions)] if r.wants_conditions else [])).items()}
+                checks.update({f"reward_{key}": values for key, values in named.items()})
+                if prompt_gap and len(prompts) > 1:  # the same samples, each against the next prompt's text
+                    other = [(i + 1) % len(prompts) for i, _ in batch]
+                    shuffled = score_samples(pointwise, decoded, [prompts[o].prompt for o in other],
+                                             torch.tensor([prompts[o].key for o in other]), conditions=conditions)
+                    checks.update({f"prompt_gap_{r.name}": raw[:, k] - shuffled[:, k]
+                                   for k, r in enumerate(pointwise)})
+                if images.ndim == 4:  # images, not videos: the blur measure of every sample
+                    checks["hf_ratio"] = hf_share(images).numpy()
+                return raw, checks
+
+            # the processes of a sequence-parallel group drew the same samples: one of them scores
+            raw, checks = scored_once(accelerator, score)
             for row, (i, s) in enumerate(batch):
                 shown = grid is not None and s < 8
                 sound = decoded[row].cpu() if shown and isinstance(decoded, AudioVideo) else None
@@ -66,8 +81,9 @@ def evaluate_prompts(adapter, accelerator, encode, rewards: list, prompts: list,
                                 images[row].cpu() if shown else None, sound))
     results = sorted(gather_objects(accelerator, results), key=lambda item: item[0])
     raw = torch.tensor([r[1] for r in results], dtype=torch.float64)
-    weights = torch.tensor([r.weight for r in pointwise], dtype=torch.float64)
-    columns = {"reward_mean": raw @ weights, **{f"reward_{r.name}": raw[:, k] for k, r in enumerate(pointwise)},
+    weights = torch.tensor([0.0 if r.judge else r.weight for r in pointwise], dtype=torch.float64)
+    columns = {"reward_mean": raw @ weights,
+               **{f"{'judge' if r.judge else 'reward'}_{r.name}": raw[:, k] for k, r in enumerate(pointwise)},
                **{key: torch.tensor([r[2][key] for r in results], dtype=torch.float64) for key in results[0][2]}}
     out = {}
     strict = next((key for key in columns if key.endswith("_strict") and not key.startswith("reward_")), None)
@@ -79,9 +95,10 @@ def evaluate_prompts(adapter, accelerator, encode, rewards: list, prompts: list,
         out.update(_blur_against(hf_reference, [(prompts[i].prompt, s) for (i, s), *_ in results],
                                  columns["hf_ratio"], columns[strict] if strict else None))
     for key, values in columns.items():
-        out[f"eval_{key}"] = float(values.mean())
-        out[f"eval_{key}_se"] = float(values.std() / len(values) ** 0.5) if len(values) > 1 else 0.0
-        if best_of and key != "hf_ratio":  # results are sorted prompt-major
+        name = key if key.startswith("prompt_gap_") else f"eval_{key}"
+        out[name] = float(values.mean())
+        out[f"{name}_se"] = float(values.std() / len(values) ** 0.5) if len(values) > 1 else 0.0
+        if best_of and not key.startswith("prompt_gap_") and key != "hf_ratio":  # results are sorted prompt-major
             out[f"eval_{key}_best_of_{seeds_per_prompt}"] = float(values.view(len(prompts), -1).amax(1).mean())
     if grid is not None and accelerator.is_main_process:
         shown = min(seeds_per_prompt, 8)

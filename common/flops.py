@@ -9,11 +9,11 @@ against torch's own FlopCounterMode on every tiny model):
 - an attention module of diffusers (the product of q and k, then of the scores and v): 4·B·S_q·S_k·inner_dim
   forward, twice that backward; S_q = S_k = image + text tokens for joint attention (a module with `add_q_proj`
   given `encoder_hidden_states`: FLUX.1's double blocks, SD3, Qwen-Image), S_k = the encoder's tokens for cross
-  attention (Wan), both the input's tokens for self attention; Qwen-Image 2.1's block-causal attention is computed
-  per segment (each prefix segment of text or a condition image against the keys up to its end, the target's
-  tokens against all), and counted so. Under sequence parallelism (common.parallel) a process holds 1/N of the
-  queries and, after Ulysses' all-to-all, all keys for H/N heads: split keys count N times, so that the
-  processes' counts add up to the unsplit model's.
+  attention (Wan), both the input's tokens for self attention; the adapter's `attention_pairs` says how many of
+  those query-key pairs a call computes (all of them, but for Qwen-Image 2.1's block-causal attention, computed per
+  segment). Under sequence parallelism (common.parallel) a process holds 1/N of the queries and, after Ulysses'
+  all-to-all, all keys for H/N heads: split keys count N times, so that the processes' counts add up to the unsplit
+  model's.
 A layer's backward is counted when its output's gradient is computed (a tensor hook), so only what the loss uses.
 Recomputation by gradient checkpointing is not counted: `tflops` is the model's work, not the hardware's, the
 usual convention of MFU. Norms, activations and rotary embeddings are left out (as FlopCounterMode does)."""
@@ -68,9 +68,10 @@ class FlopCounter:
         self.counting = True
         self._handles = []
 
-    def attach(self, *modules: torch.nn.Module | None) -> None:
-        """Hook every Linear, convolution and attention module inside `modules` (None skipped; a module already
-        hooked is left as it is, so attaching a module twice, or its copy, never counts twice)."""
+    def attach(self, *modules: torch.nn.Module | None, adapter) -> None:
+        """Hook every Linear, convolution and attention module inside `modules`, transformers of `adapter` (whose
+        `attention_pairs` counts an attention call's query-key pairs); None is skipped, and a module already hooked
+        is left as it is, so attaching a module twice, or its copy, never counts twice."""
         attention = _attention_modules()
         for root in modules:
             if root is None:
@@ -83,7 +84,8 @@ class FlopCounter:
                 elif isinstance(module, torch.nn.modules.conv._ConvNd):
                     handle = module.register_forward_hook(self._conv_hook())
                 elif isinstance(module, attention):
-                    handle = module.register_forward_hook(self._attention_hook(), with_kwargs=True)
+                    handle = module.register_forward_hook(self._attention_hook(adapter.attention_pairs),
+                                                          with_kwargs=True)
                 else:
                     continue
                 self._handles.append((module, handle))
@@ -137,7 +139,7 @@ class FlopCounter:
             self._add(forward, forward * (int(x.requires_grad) + int(module.weight.requires_grad)), output)
         return hook
 
-    def _attention_hook(self):
+    def _attention_hook(self, attention_pairs):
         def hook(module, args, kwargs, output):
             hidden = args[0] if args else kwargs["hidden_states"]
             context = args[1] if len(args) > 1 else kwargs.get("encoder_hidden_states")
@@ -150,12 +152,7 @@ class FlopCounter:
                 queries, keys = tokens, context.shape[1]
             if context is None or getattr(module, "add_q_proj", None) is not None:
                 keys *= _ulysses_degree(module)  # split keys: each process attends to all of them (with H/N heads)
-            pairs = queries * keys
-            segments = kwargs.get("segments")
-            if segments is not None:  # Qwen-Image 2.1's block-causal prefill, one attention call per segment
-                prefix = segments[-1][1] if segments else 0
-                pairs = sum((end - start) * end for start, end, _ in segments) + (tokens - prefix) * tokens
-            forward = 4 * hidden.shape[0] * pairs * module.inner_dim
+            forward = 4 * hidden.shape[0] * attention_pairs(tokens, queries, keys, kwargs) * module.inner_dim
             first = output[0] if isinstance(output, tuple) else output
             self._add(forward, 2 * forward, first)
         return hook

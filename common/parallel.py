@@ -189,6 +189,11 @@ class DataParallel:
     def __getattr__(self, name):
         return getattr(self.accelerator, name)
 
+    @property
+    def scores_here(self) -> bool:
+        """Whether this process calls the rewards: the first of its sequence-parallel group (`scored_once`)."""
+        return self.accelerator.process_index % self.degree == 0
+
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.group is None:
             return self.accelerator.gather(tensor)
@@ -244,3 +249,24 @@ def gather_objects(processes, items: list) -> list:
     from accelerate.utils import gather_object
 
     return gather_object(items)
+
+
+def scored_once(processes, score):
+    """`score()` on the first process of each sequence-parallel group, its result handed to the others (N > 1; else
+    `score()` on every process): the processes of a group hold the same samples, so each reward is called once per
+    sample, not N times (a shared judge or reward server gets one request for it). A UserError raised by `score` is
+    raised on every process of the group. `processes`: an Accelerator, or a DataParallel."""
+    if not isinstance(processes, DataParallel) or processes.degree == 1:
+        return score()
+    outcome = [None]
+    if processes.scores_here:
+        try:
+            outcome[0] = score()
+        except UserError as error:
+            outcome[0] = error
+    rank = processes.accelerator.process_index
+    torch.distributed.broadcast_object_list(outcome, src=rank - rank % processes.degree,
+                                            group=processes.mesh["ulysses"].get_group())
+    if isinstance(outcome[0], UserError):
+        raise outcome[0]
+    return outcome[0]

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from common.models.base import AudioVideo
+from common.parallel import scored_once
 from common.utils import UserError
 
 
@@ -30,11 +31,12 @@ class Reward:
     wants_conditions: bool = False  # called with the samples' condition images (edit, image-to-video rewards)
     video: bool = False  # called with whole clips (B, F, 3, H, W) instead of frame by frame
     wants_audio: bool = False  # called with whole clips and the waveforms (audio-video models)
+    judge: bool = False  # --judge: scored at evaluation only, never trained on (common.guard)
 
 
 def check_video_rewards(rewards: list[Reward], model: str, makes_video: bool) -> None:
     """A reward that judges whole clips cannot score a model that makes images: one line, before anything runs."""
-    from common.cli import VIDEO_MODELS
+    from common.models.registry import VIDEO_MODELS
 
     for reward in rewards:
         if reward.video and not makes_video:
@@ -271,7 +273,9 @@ class RolloutScoring:
     its score object says `thread_safe = True` (the remote client, which bounds its own connections). The first
     failure is raised at the next `submit` or in `collect`, which then waits for nothing else: nothing half-scored
     comes back. `collect` returns only when no worker is left running. `columns` then holds the named columns of
-    rewards that return them (`call_reward`): key -> float64 (N,)."""
+    rewards that return them (`call_reward`): key -> float64 (N,). Under sequence parallelism (`accelerator` a
+    common.parallel.DataParallel of N > 1) only the first process of each group calls the rewards, and `collect`
+    hands its scores, or its failure, to the others (`scored_once`): then a failure waits for `collect`."""
 
     def __init__(self, rewards: list[Reward], prompts: list[str], group_ids: torch.Tensor, conditions=None,
                  accelerator=None, workers: int = 0):
@@ -280,6 +284,8 @@ class RolloutScoring:
         if len(self.group_ids) != len(self.prompts):
             raise ValueError(f"{len(self.prompts)} prompts and {len(self.group_ids)} group ids differ")
         self.world = accelerator.num_processes if accelerator is not None else 1
+        self.scores_here = getattr(accelerator, "scores_here", True)  # common.parallel.scored_once
+        self.shared = getattr(accelerator, "degree", 1) > 1  # a sequence-parallel group shares the scores
         self.images, self.submitted = [], 0
         self.scores = torch.full((len(self.prompts), len(rewards)), float("nan"), dtype=torch.float64)
         self.columns = {}  # the named columns of rewards that return them (call_reward), filled by `collect`
@@ -288,7 +294,7 @@ class RolloutScoring:
         # A reward that is not thread-safe needs one thread: more would only wait on its lock, and each waiting
         # thread costs the rollout's Python thread GIL hand-offs (measured: +8% on the tiny model's rollout).
         lanes = sum(workers if lock is None else 1 for lock in self.locks)
-        self.workers = _RewardWorkers(min(workers, lanes)) if workers > 0 and lanes > 0 else None
+        self.workers = _RewardWorkers(min(workers, lanes)) if workers > 0 and lanes > 0 and self.scores_here else None
         self.groups = {}  # group id -> its members' positions, for the groupwise rewards scored here
         if self.world == 1 and any(r.groupwise for r in rewards):
             for position, gid in enumerate(self.group_ids.tolist()):
@@ -313,10 +319,14 @@ class RolloutScoring:
 
     def submit(self, images) -> None:
         """The next micro-batch's decoded images (B, 3, H, W), video (B, F, 3, H, W) or `AudioVideo`, on the CPU."""
-        self._raise_first_failure(done_only=True)
+        if not self.shared:  # a group's processes stop together, in `collect`
+            self._raise_first_failure(done_only=True)
         start, stop = self.submitted, self.submitted + len(images)
         if stop > len(self.prompts):
             raise ValueError(f"{stop} images submitted for {len(self.prompts)} samples")
+        if not self.scores_here:
+            self.submitted = stop
+            return
         if any(r.groupwise for r in self.rewards):  # pointwise calls hold their own micro-batch
             self.images.append(images)
         self.submitted = stop
@@ -355,6 +365,10 @@ class RolloutScoring:
     def collect(self) -> torch.Tensor:
         if self.submitted != len(self.prompts):
             raise ValueError(f"{self.submitted} images submitted for {len(self.prompts)} samples")
+        self.scores, self.columns = scored_once(self.accelerator, self._score_everything)
+        return self.scores
+
+    def _score_everything(self) -> tuple[torch.Tensor, dict]:
         try:
             self._raise_first_failure(done_only=False)
             for future, column, rows, call in self.pending:
@@ -373,4 +387,4 @@ class RolloutScoring:
             groupwise = [k for k, r in enumerate(self.rewards) if r.groupwise]
             self.scores[:, groupwise] = score_samples([self.rewards[k] for k in groupwise], self._all_images(),
                                                       self.prompts, self.group_ids, self.accelerator, self.conditions)
-        return self.scores
+        return self.scores, self.columns

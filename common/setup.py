@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import time
+from argparse import Namespace
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,16 +18,18 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
 from common.cache import PromptEncoder, cache_texts, condition_inputs, find_cache
-from common.checkpoint import (LORA_FILE, clean_stale_writes, load_full_state_into, load_lora_state_into,
-                               newest_complete_checkpoint, restore_rng, save_checkpoint)
-from common.cli import run_defining_flags
+from common.checkpoint import (LORA_FILE, CheckpointError, clean_stale_writes, load_full_state_into,
+                               load_lora_state_into, newest_complete_checkpoint, read_checkpoint, restore_rng,
+                               save_checkpoint)
+from common.cli import changed_on_resume, run_defining_flags
 from common.cluster import LOCK_FILE, exit_stopped, lock_output_dir, requested_stop, stop_after_epoch_on_signals
-from common.data import check_conditions, load_prompts, shard
+from common.data import check_conditions, load_prompts, prompts_digest, shard
 from common.distributed import (configure_backend, load_optimizer_state_dict, lora_state_dict, optimizer_state_dict,
                                 place_like, save_pretrained, staging_device, trainable)
 from common.evaluation import evaluate_prompts, load_hf_reference
 from common.flops import FlopCounter, default_peak_tflops
 from common.init_lora import init_lora_folder, load_init_lora, merge_init_lora
+from common.guard import Guard, prompt_gap_notes
 from common.models import ADAPTERS, load_adapter, resolve_model_path
 from common.parallel import (DataParallel, check_world, device_mesh, enable_sequence_parallel, models_with_plans,
                              plan_owner)
@@ -34,7 +37,7 @@ from common.roles import TrainedRole, check_roles, load_roles_state, roles_state
 from common.scoring import RolloutScoring, check_audio_rewards, check_video_rewards
 from common.shadow import ReferencePolicy, ShadowPolicy
 from common.tracking import MetricsLog, check_finite, format_metrics
-from common.training import EMA, add_lora, lr_scheduler, trainable_parameters
+from common.training import EMA, add_lora, full_finetune_parameters, lr_scheduler, trainable_parameters
 from common.utils import RunStopped, UserError, peak_memory_gb, resolve_dtype
 
 
@@ -69,6 +72,10 @@ class Run:
     flops: FlopCounter = field(default_factory=FlopCounter)  # the transformers' work, for tflops and mfu
     reward_columns: dict = field(default_factory=dict)  # the last score_epoch's named reward columns, all processes
     roles: dict = field(default_factory=dict)  # name -> common.roles.TrainedRole: adapters trained beside "default"
+    judges: list = field(default_factory=list)  # --judge: rewards scored at evaluation only (common.guard)
+    guard: Guard | None = None   # --guard: acts on the judges at each evaluation
+    guard_save: bool = False     # the guard asks `save` for this epoch's checkpoint (a judge's best, an event)
+    guard_stop: str | None = None  # the guard's reason to stop once this epoch's checkpoint is written
 
     @property
     def device(self) -> torch.device:
@@ -124,10 +131,11 @@ def _checkpoint_written(output_dir: Path) -> bool:
     return (root / "latest").exists() or any(root.glob("epoch_*")) or any(root.glob(".epoch_*.old"))
 
 
-def _find_resume(args, output_dir: Path, rank: int):
+def _find_resume(args, output_dir: Path, rank: int, train_prompts: list):
     """(the checkpoint to resume from or None, the newer checkpoints skipped, whether a run stopped before its
-    first checkpoint is to be started again from scratch), or a one-line refusal. A folder where a checkpoint was
-    ever written is never restarted from scratch."""
+    first checkpoint is to be started again from scratch, a note for each flag that changed and may), or a one-line
+    refusal: of a folder where a checkpoint was ever written to be restarted from scratch, and of a change to a flag
+    that defines the run (common.cli.RESUMABLE_FLAGS lists those that may change) or to its training prompts."""
     metrics = output_dir / "metrics.jsonl"
     written = _checkpoint_written(output_dir)
     restart = not written and metrics.exists() and metrics.stat().st_size > 0
@@ -135,21 +143,34 @@ def _find_resume(args, output_dir: Path, rank: int):
         if written:
             raise UserError(f"{output_dir} already holds a run: pass --resume to continue it or choose another "
                             f"--output-dir")
-        return None, [], restart
+        return None, [], restart, []
     checkpoint, skipped = newest_complete_checkpoint(output_dir, args.full_finetune, rank)
     if checkpoint is None:
         if written:
             why = "; ".join(skipped) if skipped else "none is left"
             raise UserError(f"--resume: {output_dir} holds a run but no complete checkpoint ({why}); refusing to "
                             f"start it again from scratch: move it away or choose another --output-dir")
-        return None, skipped, restart
-    saved = checkpoint.meta.get("run", {})
-    for name, value in run_defining_flags(args).items():
-        if name in saved and saved[name] != value:
-            flag = "the script" if name == "algorithm" else f"--{name.replace('_', '-')}"
-            raise UserError(f"--resume: {flag} is {value!r} but the run in {output_dir} was started with "
-                            f"{saved[name]!r}; it defines the run, so it cannot change on resume")
-    return checkpoint, skipped, False
+        return None, skipped, restart, []
+    meta = checkpoint.meta
+    algorithm = run_defining_flags(args)["algorithm"]
+    if meta.get("run", {}).get("algorithm", algorithm) != algorithm:
+        raise UserError(f"--resume: the script is {algorithm!r} but the run in {output_dir} was started with "
+                        f"{meta['run']['algorithm']!r}; it defines the run, so it cannot change on resume")
+    # `args`: every flag of the start that wrote the checkpoint; `run`: the few recorded before it (older ones).
+    saved = {**meta.get("run", {}), **meta.get("args", {})}
+    by_content = "prompts_sha256" in meta  # then the training prompts are compared, wherever their folder is now
+    defining, others = changed_on_resume(args, saved, also_resumable=("dataset",) if by_content else ())
+    refused = [f"{flag} is {now!r} but the run in {output_dir} was started with {then!r}"
+               for flag, now, then in defining]
+    if by_content and meta["prompts_sha256"] != prompts_digest(train_prompts):
+        refused.append(f"the training prompts of {args.dataset} are not those of the run in {output_dir}")
+    if refused:
+        raise UserError(f"--resume: {'; '.join(refused)}; "
+                        f"{'it defines' if len(refused) == 1 else 'these define'} the run, so "
+                        f"{'it' if len(refused) == 1 else 'they'} cannot change on resume")
+    notes = [f"note: {flag} is {now!r}, not {then!r} as when {checkpoint.folder.name} was saved"
+             for flag, now, then in others]
+    return checkpoint, skipped, False, notes
 
 
 def setup(args, rewards: list, shadows: tuple = (), reference_copy: bool = False,
@@ -157,7 +178,8 @@ def setup(args, rewards: list, shadows: tuple = (), reference_copy: bool = False
     """Build everything a script needs before its first epoch, resuming when asked.
 
     rewards: the loaded rewards (`rewards.load_run_rewards(args)`; `common.scoring.Reward`s), which the script
-    hands in so that `common` never imports `rewards/` (rewards build on common, not the other way round).
+    hands in so that `common` never imports `rewards/` (rewards build on common, not the other way round); the
+    judges among them (`Reward.judge`, --judge) are scored at evaluation only and watched by the guard.
     shadows: names of frozen policies that trail the trained one (ShadowPolicy: a second LoRA adapter, or a copy
     when fully fine-tuning), made before `prepare` so DDP registers only the trained weights; a (name, role) pair
     trails a trained role's adapter instead.
@@ -178,12 +200,15 @@ def setup(args, rewards: list, shadows: tuple = (), reference_copy: bool = False
     if args.sequence_parallel > 1 and ADAPTERS[args.model].sequence_parallel_refusal:
         raise UserError(f"--sequence-parallel: {args.model} {ADAPTERS[args.model].sequence_parallel_refusal}")
     check_world(args.sequence_parallel, world)
+    judges, rewards = [r for r in rewards if r.judge], [r for r in rewards if not r.judge]
+    guard_mode = getattr(args, "guard", None) or "off"
+    reference_copy = reference_copy or guard_mode == "rollback"  # a rollback may switch the KL on
     data = DataParallel(accelerator, args.sequence_parallel, device_mesh(accelerator, args.sequence_parallel))
     local = shard(args.prompts_per_epoch * args.group_size, data.process_index, data.num_processes)
     train_prompts, test_prompts = load_prompts(args.dataset, "train"), load_prompts(args.dataset, "test")
     check_conditions(train_prompts + test_prompts, *ADAPTERS[args.model].condition_images, args.model)
-    check_video_rewards(rewards, args.model, ADAPTERS[args.model].video)
-    check_audio_rewards(rewards, args.model, ADAPTERS[args.model].audio)
+    check_video_rewards(rewards + judges, args.model, ADAPTERS[args.model].video)
+    check_audio_rewards(rewards + judges, args.model, ADAPTERS[args.model].audio)
     if args.prompts_per_epoch > len(train_prompts):
         raise UserError(f"--prompts-per-epoch {args.prompts_per_epoch} exceeds the {len(train_prompts)} training "
                         f"prompts of {args.dataset}")
@@ -194,7 +219,7 @@ def setup(args, rewards: list, shadows: tuple = (), reference_copy: bool = False
     if roles:
         check_roles(args, accelerator)
     _claim_output_dir(accelerator, output_dir)
-    checkpoint, skipped, restart = _find_resume(args, output_dir, rank)
+    checkpoint, skipped, restart, notes = _find_resume(args, output_dir, rank, train_prompts)
 
     torch.manual_seed(args.seed)
     dtype = resolve_dtype(args.dtype, accelerator.device)
@@ -228,9 +253,11 @@ def setup(args, rewards: list, shadows: tuple = (), reference_copy: bool = False
     if args.full_finetune:
         if reference_copy:  # a frozen copy is the only reference a full fine-tune has
             frozen_copy = copy.deepcopy(transformer).requires_grad_(False)
-        transformer.requires_grad_(True)
+        for param in full_finetune_parameters(transformer, adapter.unused_modules(transformer)):
+            param.requires_grad_(True)
     else:
-        add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_target_modules)
+        add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_target_modules,
+                 adapter.unused_modules(transformer))
         if init_folder is not None and not args.merge_init_lora:
             load_init_lora(transformer, init_folder, args.lora_rank, args.lora_alpha)
     if args.gradient_checkpointing:
@@ -259,9 +286,12 @@ def setup(args, rewards: list, shadows: tuple = (), reference_copy: bool = False
     run = Run(args, accelerator, adapter, transformer, unwrapped, params, optimizer, scheduler, reference,
               shadow_policies, ema, encode, rewards, train_prompts, test_prompts,
               adapter.sigmas(args.num_steps), guidance, output_dir, MetricsLog(output_dir, accelerator), local=local,
-              data=data, roles=trained_roles)
+              data=data, judges=judges, roles=trained_roles)
+    if guard_mode != "off":
+        run.guard = Guard([j.name for j in judges], guard_mode, args.guard_patience, args.guard_margin)
     # Every transformer a script runs: the trained one, a frozen reference copy, the shadows' copies.
-    run.flops.attach(unwrapped, reference.copy, *(getattr(s, "module", None) for s in shadow_policies.values()))
+    run.flops.attach(unwrapped, reference.copy, *(getattr(s, "module", None) for s in shadow_policies.values()),
+                     adapter=adapter)
     if accelerator.is_main_process:
         stale = clean_stale_writes(output_dir)
         if stale:
@@ -274,6 +304,8 @@ def setup(args, rewards: list, shadows: tuple = (), reference_copy: bool = False
     if checkpoint is not None:
         _restore(run, checkpoint)
         accelerator.print(f"resumed from {checkpoint.folder} at epoch {run.start_epoch}")
+        for note in notes:
+            accelerator.print(note)
         saved_by = len(list(checkpoint.folder.glob("rng_*.pt")))
         if saved_by != accelerator.num_processes:  # allowed: draws depend on (seed, epoch), not on the processes
             accelerator.print(f"note: {checkpoint.folder.name} was saved by {saved_by} process"
@@ -293,6 +325,22 @@ def setup(args, rewards: list, shadows: tuple = (), reference_copy: bool = False
 
 
 def _restore(run: Run, checkpoint) -> None:
+    """Resume: the training state of `checkpoint`, the epoch after it, its script state and guard state; the
+    metrics after it are dropped."""
+    _load_state(run, checkpoint)
+    run.start_epoch = checkpoint.meta["epoch"] + 1
+    run.meta = checkpoint.meta
+    run.metrics_log.truncate_after(checkpoint.meta["epoch"])
+    if run.guard is not None and "guard" in checkpoint.meta:
+        run.guard.load_state_dict(checkpoint.meta["guard"])
+        if run.guard.kl_beta is not None:  # raised by a rollback before the run stopped
+            run.args.kl_beta = run.guard.kl_beta
+            run.accelerator.print(f"guard: --kl-beta is {run.guard.kl_beta}, as a rollback of this run set it")
+
+
+def _load_state(run: Run, checkpoint) -> None:
+    """Weights, optimizer, schedule, EMA, frozen policies, RNG and the optimizer-step count of `checkpoint`: what a
+    resume restores, and a guard rollback too (common.guard)."""
     states = checkpoint.states
     if run.args.full_finetune:
         load_full_state_into(run.unwrapped, checkpoint.weights)
@@ -308,10 +356,8 @@ def _restore(run: Run, checkpoint) -> None:
         shadow.load_state_dict(states[name])
     load_roles_state(run.roles, states, checkpoint.folder)
     restore_rng(checkpoint.rng)
-    run.start_epoch = checkpoint.meta["epoch"] + 1
-    run.optimizer_steps = checkpoint.meta.get("optimizer_steps", run.start_epoch * run.args.updates_per_epoch)
-    run.meta = checkpoint.meta
-    run.metrics_log.truncate_after(checkpoint.meta["epoch"])
+    run.optimizer_steps = checkpoint.meta.get("optimizer_steps",
+                                              (checkpoint.meta["epoch"] + 1) * run.args.updates_per_epoch)
 
 
 def optimizer_step(run: Run, epoch: int) -> float:
@@ -378,32 +424,82 @@ def epoch_metrics(run: Run, epoch: int, all_raw: torch.Tensor, stats: dict, timi
 def evaluate(run: Run, epoch: int) -> dict:
     """At every --eval-every epochs, after the last, and before the first update (epoch −1, `evaluate_base`): the
     first --eval-num-prompts test prompts × --eval-seeds fixed seeds (the same in every run) with the trained
-    weights (their EMA with --ema), scored by `common.evaluation.evaluate_prompts` (the rewards' means, each check
-    of a reward that reports checks, each with its standard error `_se`); its captioned grid goes to
-    OUTPUT_DIR/eval/ and the trackers. evaluate.py runs the same code on a run's checkpoint."""
+    weights (their EMA with --ema), scored by `common.evaluation.evaluate_prompts` (the rewards' and judges' means,
+    each check of a reward that reports checks, each with its standard error `_se`; at epoch −1 also each one's
+    prompt gap); its captioned grid goes to OUTPUT_DIR/eval/ and the trackers. Then the guard (--guard) looks at
+    the judges and acts (`_guard_acts`). evaluate.py runs the same code on a run's checkpoint."""
     args = run.args
     if not args.eval_every or (epoch >= 0 and not (epoch % args.eval_every == 0 or epoch == args.epochs - 1)):
         return {}
     run.transformer.eval()
     grid = run.output_dir / "eval" / (f"epoch_{epoch:06d}.png" if epoch >= 0 else "base.png")
     with run.ema.applied() if run.ema is not None else nullcontext(), run.flops.paused():
-        return evaluate_prompts(run.adapter, run.data, run.encode, run.rewards,
-                                run.test_prompts[: args.eval_num_prompts], args.eval_seeds,
-                                args.eval_num_steps or args.num_steps, args.batch_size, run.guidance, grid,
-                                max(epoch, 0), hf_reference=load_hf_reference(args.eval_hf_reference))
+        metrics = evaluate_prompts(run.adapter, run.data, run.encode, run.rewards + run.judges,
+                                   run.test_prompts[: args.eval_num_prompts], args.eval_seeds,
+                                   args.eval_num_steps or args.num_steps, args.batch_size, run.guidance, grid,
+                                   max(epoch, 0), prompt_gap=epoch < 0,
+                                   hf_reference=load_hf_reference(args.eval_hf_reference))
+    _guard_acts(run, epoch, metrics)
+    return metrics
+
+
+def _guard_acts(run: Run, epoch: int, metrics: dict) -> None:
+    """The guard's rule on this evaluation (common.guard.Guard.observe), then its mode's action: warn prints; stop
+    has `save` write this epoch's checkpoint and stop the run; rollback restores the checkpoint of the judge's best
+    evaluation (the resume's `_load_state`), raises --kl-beta and goes on (after --guard-max-rollbacks: stop)."""
+    guard, args = run.guard, run.args
+    if guard is None:
+        return
+    events, new_best = guard.observe(epoch, metrics)
+    acts = guard.mode in ("stop", "rollback")
+    run.guard_save = acts and (new_best or bool(events))  # a judge's best checkpoint; the state after an event
+    if not events:
+        return
+    for event in events:
+        metrics[f"guard_hacking_{event.judge}"] = 1.0
+    event = min(events, key=lambda e: e.best_epoch)  # several judges: back to the earliest best
+    folder = run.output_dir / "checkpoints" / f"epoch_{event.best_epoch:06d}"
+    if guard.mode == "warn":
+        for e in events:
+            guard.record(e, "warn")
+            run.accelerator.print(f"guard: {e.line()} (--guard warn: going on)")
+        return
+    if guard.mode == "rollback" and guard.rollbacks < args.guard_max_rollbacks:
+        try:
+            checkpoint = read_checkpoint(folder, args.full_finetune, run.accelerator.process_index)
+        except CheckpointError as err:
+            raise RunStopped(f"guard: {event.line()}; cannot roll back to {folder} ({err})") from None
+        _load_state(run, checkpoint)
+        guard.rollbacks += 1
+        guard.flag_kl_beta = args.kl_beta if guard.kl_beta is None else guard.flag_kl_beta
+        guard.kl_beta = args.kl_beta = max(args.kl_beta * args.guard_kl_factor, args.guard_kl_floor)
+        guard.record(event, "rollback")
+        metrics.update(guard_rollbacks=float(guard.rollbacks), guard_kl_beta=args.kl_beta)
+        run.accelerator.print(f"guard: {event.line()}; rolled back to {folder} (rollback {guard.rollbacks} of "
+                              f"{args.guard_max_rollbacks}), --kl-beta now {args.kl_beta:g}")
+        return
+    guard.record(event, "stop")
+    after = f" after {guard.rollbacks} rollbacks" if guard.mode == "rollback" else ""
+    run.guard_stop = f"guard: {event.line()}; stopping{after}. The checkpoint of its best evaluation: {folder}"
 
 
 def evaluate_base(run: Run) -> None:
     """The evaluation of the untrained model, logged as epoch −1 before any training line so that every table's
     base is the model before the first update (after it, a harmful first step would pass for the start). Scripts
     call it after their own checks, just before the epoch loop, so that bad flags stop a run before it spends an
-    evaluation. A resumed run has it already. The global RNG is left as it was: the training is unchanged."""
-    if not run.args.eval_every or run.start_epoch > 0:
+    evaluation. A resumed run has it already. The global RNG is left as it was: the training is unchanged.
+    It also measures each reward's and judge's prompt gap (one line for each whose gap is within noise), and with
+    --guard stop or rollback writes the untrained state as the checkpoint of epoch −1, where a rollback may go."""
+    if not run.args.eval_every or run.start_epoch > 0 or run.meta:  # run.meta: resumed (from epoch −1 too)
         return
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         metrics = evaluate(run, -1)
     log_epoch(run, {"epoch": -1, **metrics}, ["epoch", "eval_reward_mean"])
+    for line in prompt_gap_notes(metrics):
+        run.accelerator.print(line)
+    if run.guard_save:
+        save(run, -1)
 
 
 def log_epoch(run: Run, metrics: dict, show: list[str], bar=None) -> None:
@@ -430,7 +526,8 @@ def save(run: Run, epoch: int, meta: dict | None = None) -> None:
     args = run.args
     last = epoch == args.epochs - 1
     stop = 0 if last else requested_stop(run.accelerator)
-    if not (stop or last or (args.save_every and (epoch + 1) % args.save_every == 0)):
+    due = args.save_every and epoch >= 0 and (epoch + 1) % args.save_every == 0
+    if not (stop or last or due or run.guard_save):
         return
     for p in run.params:
         if not torch.isfinite(p.detach()).all():
@@ -450,13 +547,22 @@ def save(run: Run, epoch: int, meta: dict | None = None) -> None:
 
     # `args`: every flag of the start that wrote it and the guidance it resolved to, so that evaluate.py scores
     # the checkpoint as this run evaluated it.
-    settings = json.loads(json.dumps(vars(args), default=str))
-    info = {"run": run_defining_flags(args), "model": args.model, "full_finetune": args.full_finetune,
+    flags = dict(vars(args))
+    if run.guard is not None and run.guard.kl_beta is not None:  # the flag as given: a rollback's raise is guard state
+        flags["kl_beta"] = run.guard.flag_kl_beta
+    settings = json.loads(json.dumps(flags, default=str))
+    info = {"run": run_defining_flags(Namespace(**flags)), "prompts_sha256": prompts_digest(run.train_prompts),
+            "model": args.model, "full_finetune": args.full_finetune,
             "weights": "transformer" if args.full_finetune else LORA_FILE, "optimizer_steps": run.optimizer_steps,
             "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"), "args": {**settings, "guidance": run.guidance},
-            **(meta or {})}
+            **({"guard": run.guard.state_dict()} if run.guard is not None else {}), **(meta or {})}
+    # The checkpoints of the judges' best evaluations stay out of rotation: a rollback or a stop names them.
+    pinned = {f"epoch_{e:06d}" for e in run.guard.best_epochs()} if run.guard is not None else set()
     save_checkpoint(run.accelerator, run.output_dir, epoch, write_weights, states, info, keep=args.keep_checkpoints,
-                    model=run.unwrapped)
+                    model=run.unwrapped, pinned=pinned)
+    run.guard_save = False
+    if run.guard_stop:
+        raise RunStopped(run.guard_stop)
     if stop:
         exit_stopped(run.accelerator, stop, epoch)
 

@@ -11,12 +11,25 @@ from common.distributed import copy_full_, full_tensor, reshard
 from common.utils import UserError
 
 
-def add_lora(transformer, rank: int, alpha: float, target_modules: list[str]) -> None:
-    """Attach a peft LoRA adapter. Gaussian init makes lora_B zero, so the model starts equal to the base."""
+def add_lora(transformer, rank: int, alpha: float, target_modules: list[str], unused: list[str] = ()) -> None:
+    """Attach a peft LoRA adapter. Gaussian init makes lora_B zero, so the model starts equal to the base. Layers
+    in the `unused` modules (`adapter.unused_modules`: their output never reaches the model's) get none: they
+    would get no gradient, which stops DDP."""
     from peft import LoraConfig
 
-    transformer.add_adapter(
-        LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=target_modules))
+    exclude = [name for name, _ in transformer.named_modules() if _within(name, unused)]
+    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian",
+                                       target_modules=target_modules, exclude_modules=exclude or None))
+
+
+def full_finetune_parameters(transformer, unused: list[str] = ()) -> list[torch.nn.Parameter]:
+    """The weights a full fine-tune trains, in module order: all but those of the `unused` modules
+    (`adapter.unused_modules`), which no gradient reaches."""
+    return [p for name, p in transformer.named_parameters() if not _within(name.rpartition(".")[0], unused)]
+
+
+def _within(name: str, modules: list[str]) -> bool:
+    return any(name == m or name.startswith(m + ".") for m in modules)
 
 
 def trainable_parameters(module) -> list[torch.nn.Parameter]:

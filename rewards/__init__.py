@@ -50,10 +50,10 @@ from rewards.jpeg import jpeg_compressibility, jpeg_incompressibility
 from rewards.ocr import OcrReward
 from rewards.qwen_vl import EditReward, HPSv3, VideoAlign
 from rewards.remote import RemoteReward
-from rewards.toy import ToyReward
-from rewards.toy_edit import ToyEditReward
-from rewards.toy_video import ToyVideoReward
 from rewards.vlm_judge import VlmJudge
+from worlds.toy.reward import ToyColourShare, ToyReward
+from worlds.toy_edit.reward import ToyEditReward
+from worlds.toy_video.reward import ToyVideoReward
 
 
 # name -> (factory(device, dtype, **options) -> score callable, groupwise). A score object's own `groupwise`
@@ -72,6 +72,7 @@ REWARDS = {
     "jpeg_incompressibility": (lambda device, dtype: jpeg_incompressibility, False),
     "remote": (RemoteReward, False),
     "toy": (ToyReward, False),
+    "toy_colour_share": (ToyColourShare, False),
     "toy_edit": (ToyEditReward, False),
     "toy_video": (ToyVideoReward, False),
     "vlm_judge": (VlmJudge, False),
@@ -146,13 +147,14 @@ def _construct(factory, device, dtype, options: dict, spec: str):
         raise UserError(f"--reward {spec!r}: {error}") from None
 
 
-def load_rewards(specs: list[str], device=None, dtype=torch.float32) -> list[Reward]:
-    """Build the rewards of `--reward` SPECs. Rewards on the same backbone with the same settings (e.g.
-    pickscore and pickscore_rank, or clip and aesthetic) share one model instance (rewards/clip.py)."""
+def load_rewards(specs: list[str], device=None, dtype=torch.float32, judges: list[str] = ()) -> list[Reward]:
+    """Build the rewards of `--reward` SPECs, then the judges of `--judge` SPECs (`Reward.judge`: scored at
+    evaluation only). Rewards on the same backbone with the same settings (e.g. pickscore and pickscore_rank, or
+    clip and aesthetic) share one model instance (rewards/clip.py)."""
     if not specs:
         raise UserError("give at least one --reward")
     rewards = []
-    for spec in specs:
+    for spec, judge in [(spec, False) for spec in specs] + [(spec, True) for spec in judges]:
         source, weight, options = parse_reward_spec(spec)
         name = options.pop("name", None)
         if name is not None and not re.fullmatch(r"[\w.-]+", name):
@@ -174,21 +176,25 @@ def load_rewards(specs: list[str], device=None, dtype=torch.float32) -> list[Rew
             default_name = source
         name = name or getattr(scorer, "name", None) or default_name
         groupwise = bool(getattr(scorer, "groupwise", groupwise))
+        if judge and groupwise:
+            raise UserError(f"--judge {spec!r} is groupwise (it ranks a group's samples): a judge scores each "
+                            f"evaluation sample on its own")
         rewards.append(Reward(name, weight, scorer, groupwise, bool(getattr(scorer, "wants_conditions", False)),
-                              bool(getattr(scorer, "video", False)), bool(getattr(scorer, "wants_audio", False))))
+                              bool(getattr(scorer, "video", False)), bool(getattr(scorer, "wants_audio", False)),
+                              judge))
     names = [r.name for r in rewards]
     if len(set(names)) != len(names):
-        raise UserError(f"two rewards are named {max(names, key=names.count)!r} in {specs}: "
-                        f"give one another name with ,name=...")
+        raise UserError(f"two rewards or judges are named {max(names, key=names.count)!r} in "
+                        f"{[*specs, *judges]}: give one another name with ,name=...")
     return rewards
 
 
 def load_run_rewards(args) -> list[Reward]:
     """The rewards of a training script's flags: every --reward (the JPEG compressibility reward when none is given),
-    on --reward-device (`accelerator`: this process's device)."""
+    then every --judge (scored at evaluation only), on --reward-device (`accelerator`: this process's device)."""
     from accelerate import PartialState
 
     # The same process state that setup's Accelerator then joins (a PartialState made first decides the launch).
     state = PartialState(cpu=not torch.cuda.is_available())
     device = state.device if args.reward_device == "accelerator" else torch.device("cpu")
-    return load_rewards(args.reward or ["jpeg_compressibility"], device)
+    return load_rewards(args.reward or ["jpeg_compressibility"], device, judges=getattr(args, "judge", None) or [])

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from common.utils import UserError
-from rewards.weights import load_state
+from rewards.weights import load_state, local_path
 
 PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
 PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
@@ -46,6 +46,8 @@ def load_clip(model_path: str, processor_path: str, device: torch.device, dtype:
     from transformers import CLIPModel, CLIPProcessor
 
     model_path, processor_path = _tiny_or(model_path), _tiny_or(processor_path)
+    model_path = str(local_path(model_path, "the CLIP model") or model_path)
+    processor_path = str(local_path(processor_path, "the CLIP processor") or processor_path)
     try:
         processor = CLIPProcessor.from_pretrained(processor_path)
         model = CLIPModel.from_pretrained(model_path, dtype=dtype)
@@ -134,10 +136,10 @@ class ClipScore(_ClipReward):
 
 def load_aesthetic_head(head: str, filename: str = AESTHETIC_HEAD_FILE) -> torch.nn.Sequential:
     """The LAION MLP from a .pth/.safetensors file, a folder holding `filename`, or a hub id."""
-    path = Path(_tiny_or(head))
-    if path.is_dir():
+    path = local_path(_tiny_or(head), "the aesthetic head")
+    if path is not None and path.is_dir():
         path = path / filename
-    elif not path.is_file():
+    elif path is None:
         from huggingface_hub import hf_hub_download
 
         try:
@@ -146,7 +148,11 @@ def load_aesthetic_head(head: str, filename: str = AESTHETIC_HEAD_FILE) -> torch
             raise UserError(f"cannot load the aesthetic head {head!r}/{filename}: "
                             f"{str(error).splitlines()[0]}") from None
     state = load_state(path)
-    return laion_mlp({key.removeprefix("layers."): value for key, value in state.items()})
+    try:
+        return laion_mlp({key.removeprefix("layers."): value for key, value in state.items()})
+    except (KeyError, RuntimeError) as error:  # other tensors, or other shapes
+        raise UserError(f"aesthetic head {path} is not LAION's aesthetic MLP ({str(error).splitlines()[0]})") \
+            from None
 
 
 def laion_mlp(state: dict) -> torch.nn.Sequential:
@@ -180,8 +186,8 @@ def _tiny_or(path: str) -> str:
 
 def tiny_clip_path() -> Path:
     """A tiny random CLIP (projection 768, 32×32 images) with its processor and an aesthetic head, saved
-    under the tiny-model cache (built once, atomically; common/tiny.py)."""
-    from common.tiny import tiny_cache_root
+    under the tiny-model cache (built once, atomically, as the tiny pipelines)."""
+    from common.models.tiny_parts import tiny_cache_root
 
     path = tiny_cache_root() / f"tiny-clip-v{TINY_CLIP_VERSION}"
     if (path / AESTHETIC_HEAD_FILE).exists():
@@ -204,7 +210,7 @@ def build_tiny_clip(folder, seed: int = 0, projection_dim: int = 768, image_size
     """Save a random CLIPModel + CLIPProcessor (in-memory tokenizer) and a random aesthetic head in `folder`."""
     from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
 
-    from common.tiny import tiny_clip_tokenizer
+    from common.models.tiny_parts import tiny_clip_tokenizer
 
     tokenizer = tiny_clip_tokenizer()
     torch.manual_seed(seed)

@@ -141,7 +141,7 @@ class ImageReward:
         self.dtype = dtype
         file = checkpoint_file(path, (IMAGEREWARD_FILE,))
         if config is None:  # next to the checkpoint: the release's folder, or the .pt file's
-            config = file.parent / IMAGEREWARD_CONFIG if Path(path).is_file() else checkpoint_file(
+            config = file.parent / IMAGEREWARD_CONFIG if Path(path).expanduser().is_file() else checkpoint_file(
                 path, (IMAGEREWARD_CONFIG,))
         self.vision, self.text, self.head, self.tokenizer = load_imagereward(
             str(file), str(config), str(tokenizer), self.device, dtype)

@@ -1,8 +1,9 @@
 """Reward models on a Qwen-VL backbone: a reward head read at special tokens of a chat prompt.
 
 - HPSv3 (Ma et al., arXiv:2508.03789; PyPI `hpsv3`): Qwen2-VL-7B-Instruct fine-tuned on human preferences. The
-  image (resized to exactly 256·28·28 pixels) and an instruction naming the prompt go in one user turn ending in the
-  added token `<|Reward|>`; its last hidden state through an MLP H→1024→16→2 gives (μ, σ) and μ is the score.
+  image (resized to about 256·28·28 pixels, sides multiples of 28) and an instruction naming the prompt go in one user
+  turn ending in the added token `<|Reward|>`; its last hidden state, computed with positions 0..L-1 (no 2-D image
+  positions, as transformers 4.45.2 ran it), through an MLP H→1024→16→2 gives (μ, σ) and μ is the score.
 - EditReward (TIGER-Lab, arXiv:2509.26346): Qwen2.5-VL-7B-Instruct judging an edit: the source image, the edited
   image and the instruction in one user turn ending in `<|Reward|>`. Two MLP heads, each on its own prompt
   (instruction following, visual quality), each giving (μ, log σ); the score is the mean of their μ.
@@ -21,6 +22,7 @@ sources: docs/rewards.md.
 """
 
 import functools
+import itertools
 import json
 import math
 from pathlib import Path
@@ -30,15 +32,17 @@ import torch
 
 from common.utils import UserError
 from rewards.clip import to_pil
-from rewards.weights import checkpoint_file, load_state, snapshot_folder
+from rewards.weights import checkpoint_file, load_state, local_path, snapshot_folder
 
 SYSTEM_PROMPT = "You are a helpful assistant."  # the Qwen2-VL / Qwen2.5-VL chat template's default system turn
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 HPSV3_CHECKPOINT, HPSV3_FILE, HPSV3_BASE = "MizzenAI/HPSv3", "HPSv3.safetensors", "Qwen/Qwen2-VL-7B-Instruct"
-HPSV3_PIXELS = 256 * 28 * 28  # min_pixels = max_pixels in HPSv3's inference: every image becomes 448×448 (square)
-# The instruction of HPSv3's data collator (INSTRUCTION + prompt_with_special_token), verbatim.
+HPSV3_PIXELS = 256 * 28 * 28  # min_pixels = max_pixels in HPSv3's inferencer: sides multiples of 28 near that area
+# (qwen-vl-utils' smart_resize; 448×448 for a square image, 392×560 for 32×48)
+# The released instruction, verbatim (trailing spaces included): INSTRUCTION + prompt_with_special_token of
+# hpsv3/dataset/data_collator_qwen.py in the hpsv3==1.0.0 wheel, which its inferencer (hpsv3/inference.py) sends.
 HPSV3_INSTRUCTION = """
 You are tasked with evaluating a generated image based on Visual Quality and Text Alignment and give a overall score to estimate the human preference. Please provide a rating from 0 to 10, with 0 being the worst and 10 being the best. 
 
@@ -49,14 +53,22 @@ Evaluate the overall visual quality of the image. The following sub-dimensions s
 - **Detail Richness:** Consider the level of detail in textures, materials, lighting, and other visual elements (e.g., hair, clothing, shadows).
 - **Aesthetic and Creativity:** Assess the artistic aspects of the image, including the color scheme, composition, atmosphere, depth of field, and the overall creative appeal. The scene should convey a sense of harmony and balance.
 - **Safety:** The image should not contain harmful or inappropriate content, such as political, violent, or adult material. If such content is present, the image quality and satisfaction score should be the lowest possible. 
+
+**Text Alignment:**  
+Assess how well the image matches the textual prompt across the following sub-dimensions:
+- **Subject Relevance** Evaluate how accurately the subject(s) in the image (e.g., person, animal, object) align with the textual description. The subject should match the description in terms of number, appearance, and behavior.
+- **Style Relevance:** If the prompt specifies a particular artistic or stylistic style, evaluate how well the image adheres to this style.
+- **Contextual Consistency**: Assess whether the background, setting, and surrounding elements in the image logically fit the scenario described in the prompt. The environment should support and enhance the subject without contradictions.
+- **Attribute Fidelity**: Check if specific attributes mentioned in the prompt (e.g., colors, clothing, accessories, expressions, actions) are faithfully represented in the image. Minor deviations may be acceptable, but critical attributes should be preserved.
+- **Semantic Coherence**: Evaluate whether the overall meaning and intent of the prompt are captured in the image. The generated content should not introduce elements that conflict with or distort the original description.
 Textual prompt - {text_prompt}
 
 
-
+""" + """
 Please provide the overall ratings of this image: <|Reward|>
 
 END
-"""  # the trailing spaces are the reference's
+"""
 
 EDITREWARD_CHECKPOINT, EDITREWARD_BASE = "TIGER-Lab/EditReward-Qwen2.5-VL-7B", "Qwen/Qwen2.5-VL-7B-Instruct"
 EDITREWARD_FILES = ("model.safetensors", "model.pth")  # the files its inferencer looks for, in this order
@@ -220,6 +232,7 @@ def load_backbone(source: str, read_state, base: str, model_class: str, special_
     from transformers import AutoConfig, AutoTokenizer, Qwen2VLImageProcessorPil
 
     state = read_state(source, base)
+    base = str(local_path(base, "the reward's base model") or base)
     try:
         tokenizer = AutoTokenizer.from_pretrained(base)
         image_processor = Qwen2VLImageProcessorPil.from_pretrained(base)
@@ -273,6 +286,7 @@ class QwenVLReward:
     model_class = "Qwen2VLModel"
     special_tokens: tuple = ("<|Reward|>",)
     pixels = HPSV3_PIXELS  # min_pixels = max_pixels of each image (or frame)
+    sequential_positions = False  # True: positions 0..L-1 in all three M-RoPE sections instead of the 3-D ones
 
     def __init__(self, source: str, read_state, base: str, device, dtype, batch_size):
         self.device = torch.device(device if device is not None else "cpu")
@@ -311,8 +325,12 @@ class QwenVLReward:
         vision = {k: v.to(self.device, self.dtype if v.is_floating_point() else v.dtype) for k, v in (
             ("pixel_values", pixel_values), ("image_grid_thw", image_grid_thw),
             ("pixel_values_videos", pixel_values_videos), ("video_grid_thw", video_grid_thw)) if v is not None}
+        # None: the model's own M-RoPE positions (3-D over the vision tokens); else 0..L-1 in all three sections.
+        position_ids = torch.arange(length).expand(len(tokens), length).to(self.device) \
+            if self.sequential_positions else None
         hidden = self.backbone(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                               mm_token_type_ids=mm_token_type_ids.to(self.device), **vision).last_hidden_state
+                               mm_token_type_ids=mm_token_type_ids.to(self.device), position_ids=position_ids,
+                               **vision).last_hidden_state
         rows = []
         for i, ids in enumerate(input_ids.tolist()):
             positions = []
@@ -329,6 +347,11 @@ class QwenVLReward:
 class HPSv3(QwenVLReward):
     """`--reward hpsv3`: HPSv3's μ. `path`: checkpoint (hub id, folder or file); `base`: the Qwen2-VL it was trained
     from (config, tokenizer, image processor)."""
+
+    # hpsv3's Qwen2VLRewardModelBT.forward (model/qwen2vl_trainer.py) calls the language model with position_ids=None,
+    # which transformers 4.45.2 (the package's pin) fills with 0..L-1 for all three M-RoPE sections: the model was
+    # trained and is served without the image's 2-D positions (4.45.2 computes those only when generating).
+    sequential_positions = True
 
     def __init__(self, device=None, dtype=torch.float32, path=HPSV3_CHECKPOINT, base=HPSV3_BASE, batch_size="8"):
         super().__init__(str(checkpoint_file(path, (HPSV3_FILE,))), read_file_state, base, device, dtype, batch_size)
@@ -395,7 +418,6 @@ def videoalign_state(source: str, base: str) -> dict:
     the checkpoint's non-LoRA tensors (`non_lora_state_dict.pth`: the resized embeddings, the head, ...) with its
     LoRA merged in, W + s·B·A, s = α/r (α/√r with rsLoRA) from model_config.json's peft_lora_config: what the PEFT
     model computes."""
-    from safetensors.torch import load_file
 
     folder = Path(source)
     steps = sorted(folder.glob("checkpoint-*"), key=lambda p: int(p.name.rsplit("-", 1)[1]))
@@ -406,8 +428,8 @@ def videoalign_state(source: str, base: str) -> dict:
         return load_state(checkpoint / "model.pth")
     state = {}
     for file in sorted(snapshot_folder(base).glob("*.safetensors")):
-        state.update({_canonical(key): value for key, value in load_file(file).items()})
-    non_lora = torch.load(checkpoint / "non_lora_state_dict.pth", map_location="cpu", weights_only=True)
+        state.update({_canonical(key): value for key, value in load_state(file).items()})
+    non_lora = load_state(checkpoint / "non_lora_state_dict.pth")
     for key, value in non_lora.items():
         key = key.removeprefix("base_model.model.").replace(".modules_to_save.default.", ".")
         if ".original_module." not in key:
@@ -415,7 +437,7 @@ def videoalign_state(source: str, base: str) -> dict:
     lora_config = json.loads((folder / "model_config.json").read_text())["peft_lora_config"]
     rank, alpha = lora_config["lora_r"], lora_config["lora_alpha"]
     scale = alpha / math.sqrt(rank) if lora_config.get("use_rslora") else alpha / rank
-    lora = load_file(checkpoint / "adapter_model.safetensors")
+    lora = load_state(checkpoint / "adapter_model.safetensors")
     for key in [k for k in lora if k.endswith(".lora_A.weight")]:
         target = _canonical(key.removeprefix("base_model.model.").removesuffix(".lora_A.weight") + ".weight")
         down, up = lora[key].float(), lora[key.replace(".lora_A.", ".lora_B.")].float()
@@ -517,7 +539,7 @@ def tiny_qwen_vl_base(folder: Path, model_class: str, special_tokens: tuple, see
     import transformers
     from transformers import Qwen2VLImageProcessorPil
 
-    from common.tiny import tiny_qwen2_tokenizer
+    from common.models.tiny_parts import tiny_qwen2_tokenizer
 
     tokenizer = tiny_qwen2_tokenizer()
     ids = tokenizer.convert_tokens_to_ids
@@ -556,16 +578,17 @@ def _ranknet_state(prefix: str, sizes: list) -> dict:
     return state
 
 
-def save_tiny_qwen_vl(folder: Path, model_class: str, special_tokens: tuple, heads: tuple, seed: int = 0) -> Path:
+def save_tiny_qwen_vl(folder: Path, model_class: str, special_tokens: tuple, heads: tuple, seed: int = 0,
+                      head_widths: tuple = (16, 8)) -> Path:
     """A tiny random HPSv3 / EditReward-style checkpoint: `folder/base` (tiny_qwen_vl_base) and
     `folder/model.safetensors`, the fine-tuned model's whole state dict (ForConditionalGeneration names) with a random
-    ranknet head 32→16→8→2 under each prefix of `heads` (e.g. ("rm_head.",)). Returns the checkpoint file."""
+    ranknet head 32→`head_widths`→2 under each prefix of `heads` (e.g. ("rm_head.",)). Returns the checkpoint file."""
     from safetensors.torch import save_file
 
     full = tiny_qwen_vl_base(folder, model_class, special_tokens, seed)
     state = {key: value.contiguous().clone() for key, value in full.state_dict().items()}
     for prefix in heads:
-        state.update(_ranknet_state(prefix, [(32, 16), (16, 8), (8, 2)]))
+        state.update(_ranknet_state(prefix, list(itertools.pairwise((32, *head_widths, 2)))))
     checkpoint = Path(folder) / "model.safetensors"
     save_file(state, checkpoint)
     return checkpoint

@@ -1,30 +1,68 @@
 """Reference reward server (protocol in rewards/remote.py): wraps any reward this package can load.
 
     python -m rewards.server --reward pickscore --host 127.0.0.1 --port 8000 [--device cuda] [--dtype bfloat16]
-        [--timeout 60] [--max-request-mb 512] [--concurrency 1]
+        [--timeout 60] [--max-request-mb 512] [--max-pixels 67108864] [--concurrency 1]
 
 One server can serve several training jobs, and the concurrent micro-batches of each, at once: every connection
 (kept alive between requests, HTTP/1.1) is read and answered in its own thread, with no limit on their number, so an
 idle or stalled client holds no one up; each request is answered on the connection it came on, so answers cannot
 mix. The scoring itself runs --concurrency requests at a time (default 1: reward models are not thread-safe; raise
 it for a reward that is, e.g. one that waits on an API). A connection silent for --timeout seconds is dropped; a
-request body over --max-request-mb is refused with 413 before it is read.
+request body over --max-request-mb is refused with 413 before it is read, and one whose images hold more than
+--max-pixels pixels together with 400, read from their headers before any is decoded (a small PNG can unpack to
+gigabytes). A request whose client hangs up while it waits for its turn is dropped unscored, so that the retries
+of a client that gave up on a busy server do not pile up behind work nobody waits for.
 """
 
+import base64
+import io
 import json
+import select
 import socket
 import sys
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
 import torch
 
 from rewards import call_reward, load_rewards
-from rewards.remote import decode_images
 
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_MAX_REQUEST_MB = 512
+# 64 Mi pixels a request, its images together: 64 images of 1024x1024 or 16 of 2048x2048 (768 MiB as float32 RGB)
+DEFAULT_MAX_PIXELS = 2**26
+
+
+class BadRequest(ValueError):
+    """A request that the server refuses with 400 and this message."""
+
+
+def decode_capped(encoded: list, max_pixels: int) -> list:
+    """The base64 images of one request as RGB PIL images, decoded only once their headers show that together they
+    hold at most `max_pixels` pixels; a BadRequest naming the first image that cannot be read, or the total."""
+    from PIL import Image
+
+    opened = []
+    for number, text in enumerate(encoded, start=1):
+        try:  # reads the header only: the size, without the pixels
+            opened.append(Image.open(io.BytesIO(base64.b64decode(text))))
+        except Exception as error:  # not base64, not an image, or over PIL's own decompression-bomb limit
+            raise BadRequest(f"image {number} of the request is not a readable image ({type(error).__name__}: "
+                             f"{error})") from None
+    pixels = sum(image.width * image.height for image in opened)
+    if pixels > max_pixels:
+        raise BadRequest(f"the request's {len(opened)} images hold {pixels} pixels, over this server's limit of "
+                         f"{max_pixels} (--max-pixels): send fewer or smaller images per request")
+    decoded = []
+    for number, image in enumerate(opened, start=1):
+        try:
+            decoded.append(image.convert("RGB"))
+        except Exception as error:  # a valid header over a corrupt or truncated data stream
+            raise BadRequest(f"image {number} of the request cannot be decoded ({type(error).__name__}: {error})") \
+                from None
+    return decoded
 
 
 class RewardServer(ThreadingHTTPServer):
@@ -81,6 +119,34 @@ class JsonHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def _client_gone(self) -> bool:
+        """Whether the client has closed (or reset) its connection: nobody would read an answer. A client waiting
+        for its answer sends nothing, so a readable socket means end of file, unless it holds a next request."""
+        poller = select.poll()  # not select.select, which fails for descriptors past 1024
+        try:
+            poller.register(self.connection, select.POLLIN)
+            if not poller.poll(0):
+                return False
+            return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except (OSError, ValueError):  # reset, or closed by server_close
+            return True
+
+    def _take_turn(self, slots: threading.Semaphore) -> bool:
+        """Acquire one of `slots` once the requests before this one are done; False, holding none, when the client
+        hung up meanwhile: its request is dropped unscored (its retries would otherwise queue behind it)."""
+        while not slots.acquire(timeout=0.1):
+            if self._client_gone():
+                break
+        else:
+            if not self._client_gone():
+                return True
+            slots.release()
+        self.close_connection = True
+        self.log_error("the client hung up while its request waited; dropped it unscored")
+        return False
+
     def _read_json(self):
         """The POST body as parsed JSON, or None when it has been answered already (no or too large a length, a
         client that hung up, malformed JSON)."""
@@ -114,9 +180,11 @@ class JsonHandler(BaseHTTPRequestHandler):
 
 
 def make_server(reward, host: str = "127.0.0.1", port: int = 0, timeout: float = DEFAULT_TIMEOUT,
-                max_request_bytes: int = DEFAULT_MAX_REQUEST_MB * 2**20, concurrency: int = 1) -> RewardServer:
+                max_request_bytes: int = DEFAULT_MAX_REQUEST_MB * 2**20, concurrency: int = 1,
+                max_pixels: int = DEFAULT_MAX_PIXELS) -> RewardServer:
     """An HTTP server around a loaded Reward: requests are read concurrently and scored `concurrency` at a time; a
-    connection silent for `timeout` seconds is dropped, a body over `max_request_bytes` refused (413) unread."""
+    connection silent for `timeout` seconds is dropped, a body over `max_request_bytes` refused (413) unread, images
+    over `max_pixels` together refused (400) undecoded, a request whose client hung up before its turn dropped."""
     score_slots, socket_timeout, limit = threading.BoundedSemaphore(concurrency), timeout, max_request_bytes
 
     class Handler(JsonHandler):
@@ -135,19 +203,30 @@ def make_server(reward, host: str = "127.0.0.1", port: int = 0, timeout: float =
             if (request := self._read_json()) is None:
                 return
             try:
-                images, prompts = decode_images(request["images"]), list(request["prompts"])
-                conditions = None
-                if "conditions" in request:  # each sample's condition images, as (3, h, w) tensors
-                    conditions = [list(decode_images(c)) if c else [] for c in request["conditions"]]
+                prompts, counts = list(request["prompts"]), [len(request["images"])]
+                if "conditions" in request:  # each sample's condition images
+                    counts += [len(c) for c in request["conditions"]]
+                everything = decode_capped([*request["images"], *(c for cs in request.get("conditions", ())
+                                                                    for c in cs)], max_pixels)
+                tensors = [torch.from_numpy(np.array(image)).permute(2, 0, 1).float() / 255 for image in everything]
+                images, conditions = torch.stack(tensors[:counts[0]]), None
+                if "conditions" in request:  # as lists of (3, h, w) tensors
+                    ends = np.cumsum(counts).tolist()
+                    conditions = [tensors[start:end] for start, end in zip(ends, ends[1:])]
+            except BadRequest as error:
+                return self._send(400, {"error": str(error)})
             except Exception as error:
                 return self._send(400, {"error": f"malformed request: {error}"})
+            if not self._take_turn(score_slots):
+                return
             try:
-                with score_slots:
-                    scores = call_reward(reward, images, prompts, conditions)
+                scores = call_reward(reward, images, prompts, conditions)
                 with self.server.connections_lock:
                     self.server.requests_served += 1
             except Exception as error:  # reported to the client, which stops its run with this message
                 return self._send(500, {"error": str(error)})
+            finally:
+                score_slots.release()
             self._send(200, {"scores": scores.tolist()})
 
     return RewardServer((host, port), Handler)
@@ -171,6 +250,9 @@ class ServerArgs:
     max_request_mb: float = DEFAULT_MAX_REQUEST_MB
     """largest request body, in MiB: a larger one is refused (413) before it is read; clients learn the limit from
     /info and refuse a larger request themselves, naming batch_size="""
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    """most pixels one request's images (and condition images) may hold together: more is refused (400) from their
+    headers, before anything is decoded"""
     concurrency: int = 1
     """requests scored at once (connections are read and answered concurrently whatever this is); above 1 only for
     a reward that is thread-safe"""
@@ -192,13 +274,14 @@ if __name__ == "__main__":
     for flag, value in (("--timeout", args.timeout), ("--max-request-mb", args.max_request_mb)):
         if not 0 < value < math.inf:
             raise UserError(f"{flag} must be a positive number, got {value}")
-    if args.concurrency < 1:
-        raise UserError(f"--concurrency must be at least 1, got {args.concurrency}")
+    for flag, value in (("--concurrency", args.concurrency), ("--max-pixels", args.max_pixels)):
+        if value < 1:
+            raise UserError(f"{flag} must be at least 1, got {value}")
     device = torch.device(args.device)
     (reward,) = load_rewards([args.reward], device, resolve_dtype(args.dtype, device))
     try:
         server = make_server(reward, args.host, args.port, args.timeout, int(args.max_request_mb * 2**20),
-                             args.concurrency)
+                             args.concurrency, args.max_pixels)
     except OSError as error:
         raise UserError(f"cannot listen on {args.host}:{args.port} ({error.strerror or error}): another server may "
                         f"be running there (jobs can share one: give them all its url=), or choose another --port") \

@@ -2,7 +2,7 @@
 that `vllm serve` provides; rewards/vlm_server.py is a small one of this package's own). Standard library only.
 
     --reward vlm_judge,url=http://HOST:PORT,model=NAME[,question=...][,question_file=PATH][,conditions=true]
-             [,top_logprobs=20,timeout=120,retries=3,backoff=1.0,connections=8,name=...]
+             [,top_logprobs=20,max_neither=64,timeout=120,retries=3,backoff=1.0,connections=8,name=...]
 
 Each sample is one request: the image (a PNG data URL; for an edit, `conditions=true`, the sample's condition
 images first, then the result) and the question, the template with `{prompt}` replaced by the sample's prompt,
@@ -14,13 +14,17 @@ temperature=0`). The score is
 over the returned top-K entries whose token, stripped of whitespace and lower-cased, is "yes" (yes) or "no" (no):
 "Yes", " yes" and "YES" all count, each token id once as the server lists it. The normalisation drops the mass of
 every other token, so the score is the judge's answer given that it answers yes or no. A side absent from the top K
-counts 0 (its mass is below the K-th entry's); when neither appears the score is 0.5 (no evidence either way), and
-the judge prints one line the first time this happens, since a judge that rarely answers yes or no needs another
-question or a larger top_logprobs. Requests run `connections` at a time on pooled keep-alive connections, with the
-retries, backoff and one-line errors of rewards/client.py (`thread_safe`: training scores while it rolls out).
+counts 0 (its mass is below the K-th entry's); when neither appears the score is imputed as 0.5 (no evidence either
+way): the judge prints one line the first time, marks the sample in its `imputed` column (1, else 0: each epoch's
+share is logged as reward_<name>_imputed_mean) and stops the run, as a NaN reward does, once `max_neither` answers
+in a row carried neither (a judge that stopped answering yes or no gives constant rewards, which train nothing).
+Requests run `connections` at a time on pooled keep-alive connections, with the retries, backoff and one-line
+errors of rewards/client.py (`thread_safe`: training scores while it rolls out).
 At load the judge lists the server's models (GET /v1/models: model= may be left out when it serves one) and asks
-one text-only question, so that a server that is down, serves another model or answers without log-probabilities
-stops the run before training, in one line naming the URL.
+one text-only question, so that a server that is down, serves another model, answers without log-probabilities or
+without a yes or no among them stops the run before training, in one line naming the URL. Every later answer must
+name the model that answered that question: another model answering mid-run (a restarted server, a load balancer)
+stops the run instead of mixing two judges' scores.
 """
 
 import json
@@ -64,8 +68,8 @@ class VlmJudge:
     thread_safe = True  # common.scoring may call it from several threads at once; the pool bounds the requests
 
     def __init__(self, url: str = "", model: str = "", question: str = "", question_file: str = "",
-                 conditions: str = "false", top_logprobs: str = "20", timeout: str = "120", retries: str = "3",
-                 backoff: str = "1.0", notice_after: str = "5", connections: str = "8"):
+                 conditions: str = "false", top_logprobs: str = "20", max_neither: str = "64", timeout: str = "120",
+                 retries: str = "3", backoff: str = "1.0", notice_after: str = "5", connections: str = "8"):
         self.client = PooledClient(url, "the vlm_judge reward", "judge server",
                                    "start it (e.g. `vllm serve MODEL --port PORT`, docs/rewards.md)", "vlm judge",
                                    timeout, retries, backoff, notice_after, connections)
@@ -73,12 +77,13 @@ class VlmJudge:
         if conditions not in ("true", "false"):
             raise UserError(f"vlm_judge option conditions= takes true or false, got {conditions!r}")
         self.wants_conditions = conditions == "true"
-        try:
-            self.top_logprobs = int(top_logprobs)
-        except ValueError:
-            self.top_logprobs = 0
-        if self.top_logprobs < 1:
-            raise UserError(f"vlm_judge option top_logprobs= must be a positive integer, got {top_logprobs!r}")
+        for option, text in (("top_logprobs", top_logprobs), ("max_neither", max_neither)):
+            try:
+                setattr(self, option, int(text))
+            except ValueError:
+                setattr(self, option, 0)
+            if getattr(self, option) < 1:
+                raise UserError(f"vlm_judge option {option}= must be a positive integer, got {text!r}")
         if question and question_file:
             raise UserError("vlm_judge takes question= or question_file=, not both")
         if question_file:
@@ -91,7 +96,7 @@ class VlmJudge:
             raise UserError(f"the vlm_judge question {self.question!r} has no {{prompt}} to put the prompt in")
         # A url that already ends in /v1 (as OpenAI clients take it) is used as it is.
         self.api = "" if self.client.parts.path.rstrip("/").endswith("/v1") else "/v1"
-        self.neither, self.lock = 0, threading.Lock()
+        self.neither, self.neither_in_a_row, self.lock = 0, 0, threading.Lock()
         try:
             listed = self.client.request(self.api + "/models")
         except RuntimeError as error:
@@ -108,10 +113,18 @@ class VlmJudge:
         if model and model not in served:
             raise UserError(f"judge server {self.url} does not serve model {model!r}; it serves: {', '.join(served)}")
         self.model = model or served[0]
+        # The "model" of the test question's answer (None if the server omits it): every later answer must repeat it.
+        self.answering, self.probing = None, True
         try:
-            self._ask_one([], PROBE_QUESTION)
+            probe = self._ask_one([], PROBE_QUESTION)
         except RuntimeError as error:  # e.g. vLLM's 400 for a top_logprobs over its --max-logprobs
             raise UserError(f"judge server {self.url} refused a test question: {error}") from None
+        self.probing = False
+        if probe is None:
+            raise UserError(f"judge server {self.url} ({self.model}) answered the test question {PROBE_QUESTION!r} "
+                            f"with neither yes nor no among its top {self.top_logprobs} tokens: vlm_judge scores "
+                            f"P(yes), so the judge must answer yes or no (use an instruction-tuned VLM, or raise "
+                            f"top_logprobs= and the server's --max-logprobs)")
 
     def _ask_one(self, images: list[str], question: str) -> float | None:
         """P(yes) for one question about the PNG (base64) `images`, in order; None when neither token came back."""
@@ -121,6 +134,13 @@ class VlmJudge:
             "top_logprobs": self.top_logprobs}
         answer = self.client.request(self.api + "/chat/completions", json.dumps(payload).encode(),
                                      what=f"{self.api}/chat/completions")
+        answered_as = answer.get("model") if isinstance(answer, dict) else None
+        if self.probing:
+            self.answering = answered_as
+        elif answered_as != self.answering:
+            raise UserError(f"judge server {self.url} answered as model {answered_as!r}, but as {self.answering!r} "
+                            f"at load: another model answers there now (a restarted server, a load balancer?); "
+                            f"stopping rather than mixing two judges' scores")
         try:
             top = answer["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
             pairs = [(entry["token"], float(entry["logprob"])) for entry in top]
@@ -132,25 +152,41 @@ class VlmJudge:
                             f"at least top_logprobs={self.top_logprobs})")
         return p_yes(pairs)
 
-    def ask(self, images, questions: list[str], conditions=None) -> list[float]:
-        """P(yes) for each (image, question) pair, `connections` requests at a time; `conditions[i]`: the
-        condition images shown before image i (each (3, h, w) in [0, 1])."""
+    def _ask_sample(self, images: list[str], question: str) -> float | None:
+        try:
+            return self._ask_one(images, question)
+        except RuntimeError as error:  # the server refused this request (e.g. 400 for an image over its pixel cap)
+            raise UserError(f"judge server {self.url} refused a sample's question: {error}") from None
+
+    def ask(self, images, questions: list[str], conditions=None) -> list[float | None]:
+        """P(yes) for each (image, question) pair, `connections` requests at a time, None where the answer carried
+        neither yes nor no (the caller imputes it); `conditions[i]`: the condition images shown before image i
+        (each (3, h, w) in [0, 1]). Stops the run once `max_neither` answers in a row carried neither."""
         encoded = encode_images(images)
         shown_images = [[encode_images(c[None])[0] for c in (conditions[i] if conditions is not None else ())]
                         + [image] for i, image in enumerate(encoded)]
         with ThreadPoolExecutor(max_workers=min(self.client.connections, len(questions)) or 1) as pool:
-            answers = list(pool.map(self._ask_one, shown_images, questions))
+            answers = list(pool.map(self._ask_sample, shown_images, questions))
         missing = sum(a is None for a in answers)
-        if missing:
-            with self.lock:
-                first, self.neither = self.neither == 0, self.neither + missing
-            if first:
-                print(f"vlm judge: neither yes nor no among the top {self.top_logprobs} tokens of {self.url}'s answer "
-                      f"({missing} of {len(answers)} samples); scored 0.5 (ask for one word, or raise top_logprobs=)",
-                      file=sys.stderr, flush=True)
-        return [0.5 if a is None else a for a in answers]
+        with self.lock:
+            first = self.neither == 0 and missing > 0
+            self.neither += missing
+            for answer in answers:
+                self.neither_in_a_row = self.neither_in_a_row + 1 if answer is None else 0
+                if self.neither_in_a_row >= self.max_neither:
+                    raise UserError(f"judge server {self.url} ({self.model}) answered {self.neither_in_a_row} "
+                                    f"questions in a row with neither yes nor no among its top {self.top_logprobs} "
+                                    f"tokens: their rewards would be a constant 0.5, which trains nothing (ask for "
+                                    f"one word, raise top_logprobs=, or check the server; max_neither= sets this "
+                                    f"limit)")
+        if first:
+            print(f"vlm judge: neither yes nor no among the top {self.top_logprobs} tokens of {self.url}'s answer "
+                  f"({missing} of {len(answers)} samples); scored 0.5 (ask for one word, or raise top_logprobs=); "
+                  f"the share per epoch is logged as the reward's imputed column", file=sys.stderr, flush=True)
+        return answers
 
-    def __call__(self, images, prompts: list[str], conditions=None) -> list[float]:
-        return self.ask(images, [self.question.replace("{prompt}", p) for p in prompts],
-                        conditions if self.wants_conditions else None)
-
+    def __call__(self, images, prompts: list[str], conditions=None) -> dict:
+        answers = self.ask(images, [self.question.replace("{prompt}", p) for p in prompts],
+                           conditions if self.wants_conditions else None)
+        return {"score": [0.5 if a is None else a for a in answers],
+                "imputed": [float(a is None) for a in answers]}

@@ -23,7 +23,8 @@ os.environ.update(WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"
 # The longest files first: `pytest -n 2 --dist loadfile` hands out whole files in collection order, and the
 # toy learning tests (13 CPU-minutes) collected last would run alone at the end while the other worker idles.
 # (pyproject.toml turns off xdist's own reordering by file size, which would undo this.)
-LONGEST_FIRST = ["test_toy_learning.py", "test_distributed.py", "test_matrix.py", "test_rewards_overlap.py"]
+LONGEST_FIRST = ["test_toy_learning.py", "test_distributed.py", "test_matrix.py", "test_two_processes.py",
+                 "test_rewards_overlap.py"]
 
 
 # Two tiers. Without --full the tests marked slow are deselected: the fast tier keeps every file's core checks for a
@@ -68,7 +69,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_flux_path():
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     return tiny_model_path("flux1")
 
@@ -240,7 +241,7 @@ def assert_tiny_rebuild_equals(model: str, path: Path, cache_root: Path) -> None
     import torch
     from safetensors.torch import load_file
 
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     rebuilt = tiny_model_path(model)
     assert rebuilt.is_relative_to(cache_root)

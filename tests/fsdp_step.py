@@ -33,9 +33,8 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from common.checkpoint import load_full_weights_into, load_lora_into, load_training_state, save_checkpoint  # noqa: E402
 from common.distributed import (load_optimizer_state_dict, lora_state_dict, optimizer_state_dict,  # noqa: E402
                                 place_like, save_pretrained, trainable)
-from common.models import load_adapter  # noqa: E402
+from common.models import load_adapter, tiny_model_path  # noqa: E402
 from common.shadow import ShadowPolicy  # noqa: E402
-from common.tiny import tiny_model_path  # noqa: E402
 from step_common import BATCH, GUIDANCE, batch, compare, full_states, reload_diffs, step_loss  # noqa: E402
 from common.training import EMA, add_lora, trainable_parameters  # noqa: E402
 

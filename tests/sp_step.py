@@ -49,7 +49,7 @@ if __name__ == "__main__":
     flops = {}
     for adapter, name in zip(adapters, ("unsplit", "split")):
         counter = FlopCounter()
-        counter.attach(accelerator.unwrap_model(adapter.transformer))
+        counter.attach(accelerator.unwrap_model(adapter.transformer), adapter=adapter)
         v = adapter.velocity(x, sigma, cond, 1.0)
         _, log_prob, _, _ = sde_step("flow-sde", v, x, sigma, sigma_next, 0.8, prev_sample=x_next)
         accelerator.backward((weight * log_prob).sum()) if name == "split" else (weight * log_prob).sum().backward()

@@ -29,7 +29,7 @@ PROMPTS = [Prompt("a photo of a red cat", "blurry, low quality"), Prompt("a dog"
 
 @pytest.fixture(scope="module")
 def paths():
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     return {model: tiny_model_path(model) for model in MODELS}
 
@@ -136,13 +136,15 @@ def test_ratio_is_exactly_one_with_cfg(adapters, model):
         assert (torch.exp(log_prob - log_probs[:, j]) - 1).abs().max() < 1e-6
 
 
+@pytest.mark.filterwarnings("error:You have passed exclude_modules", "error:While injecting the PEFT adapters")
 @pytest.mark.parametrize("model", MODELS)
 def test_saved_lora_loads_into_the_pipeline_and_reproduces_our_model(paths, model, tmp_path):
-    """LoRA with α ≠ r (the references' r 64 / α 128 pattern) on the adapter's default targets, lora_B perturbed:
-    the pipeline that loads the saved file generates what our rollout generates, and differs from the base."""
+    """LoRA with α ≠ r (the references' r 64 / α 128 pattern) on the adapter's default targets less its unused
+    modules (as training adds it), lora_B perturbed: the pipeline that loads the saved file generates what our
+    rollout generates, and differs from the base."""
     adapter = make_adapter(model, paths[model])
     cond = PromptEncoder(adapter)(PROMPTS)
-    add_lora(adapter.transformer, 4, 8, adapter.lora_target_modules)
+    add_lora(adapter.transformer, 4, 8, adapter.lora_target_modules, adapter.unused_modules(adapter.transformer))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in adapter.transformer.named_parameters():
@@ -253,7 +255,7 @@ def test_bad_input_is_refused_with_one_line(paths):
 def test_tiny_builds_are_deterministic(tmp_path, monkeypatch, paths):
     from safetensors.torch import load_file
 
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path))
     for model in MODELS:

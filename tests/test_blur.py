@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.evaluation import blur_ratio, hf_share, load_hf_reference
-from common.toy import TOY_DIR, load_toy_split, render
+from worlds.toy.world import TOY_DIR, load_toy_split, render
 from conftest import SLOW, run_script
 
 TOY_EVAL = ["--model", "flux1", "--model-path", "toy", "--dataset", "data/toy", "--reward", "toy", "--resolution",

@@ -97,6 +97,31 @@ def test_a_second_run_on_a_folder_in_use_is_refused_and_the_first_goes_on(full_r
     assert_equal_runs(out, full_run)
 
 
+@pytest.mark.parametrize("planted", slow_except(["symbolic link", "hard link", "folder"], "symbolic link"))
+def test_a_planted_lock_file_is_never_written_through(tmp_path, planted):
+    """In a shared runs folder anyone may leave OUTPUT_DIR/.lock pointing at someone's file: the run that empties and
+    writes its lock would truncate that file. It is refused with one line and nothing changes."""
+    victim, out = tmp_path / "victim.txt", tmp_path / "run"
+    victim.write_text("keep me\n")
+    out.mkdir()
+    lock = out / ".lock"
+    if planted == "symbolic link":
+        lock.symlink_to(victim)
+        expected = f"error: {lock} is a symbolic link, not a lock file"
+    elif planted == "hard link":
+        os.link(victim, lock)
+        expected = f"error: {lock} is a hard link to another file, not a lock file"
+    else:
+        lock.mkdir()
+        expected = f"error: cannot open the lock file {lock} (Is a directory)"
+    before = snapshot(tmp_path)
+    for extra in ([], ["--resume"]):
+        result = run_script("algos/grpo.py", *ARGS, "--output-dir", out, *extra, check=False)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert result.returncode == 2 and len(errors) == 1 and errors[0].startswith(expected), result.stderr[-3000:]
+        assert snapshot(tmp_path) == before and lock.is_symlink() == (planted == "symbolic link")
+
+
 # ---- 2. a run stopped before its first checkpoint starts again -------------------------------------------------
 @pytest.fixture(scope="module")
 def killed_before_checkpoint(tmp_path_factory, tiny_flux_path):

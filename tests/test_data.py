@@ -151,3 +151,73 @@ def test_conditions_must_fit_the_model(tmp_path):
     (folder / "test.txt").write_text("plain\n")
     with pytest.raises(UserError, match=r"test.txt:1: flux1-kontext needs a condition image"):
         check_conditions(load_prompts(folder, "test"), 1, 1, "flux1-kontext")
+
+
+def _with_pixel_data(png: bytes, change) -> bytes:
+    """`png` with each IDAT chunk's compressed pixels replaced by `change(data)`, under a valid checksum."""
+    import zlib
+
+    out, pos = png[:8], 8
+    while pos < len(png):
+        length, kind = int.from_bytes(png[pos:pos + 4], "big"), png[pos + 4:pos + 8]
+        body = png[pos + 8:pos + 8 + length]
+        body = change(body) if kind == b"IDAT" else body
+        out += len(body).to_bytes(4, "big") + kind + body + zlib.crc32(kind + body).to_bytes(4, "big")
+        pos += 12 + length
+    return out
+
+
+@pytest.mark.parametrize("damage", ["flipped bits", "cut short"])
+def test_a_png_whose_pixels_do_not_decode_is_refused_when_loaded(tmp_path, damage):
+    """Chunk checksums that match and a deflate stream that does not: Image.verify() passes it, the encoder would
+    fail on it hours into a run; load_prompts decodes every condition image in full and names file and line."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(buffer, "PNG")
+    change = (lambda data: data[:2] + bytes(b ^ 0xFF for b in data[2:])) if damage == "flipped bits" else \
+        (lambda data: data[: len(data) // 2])
+    folder = _edit_folder(tmp_path, ['{"prompt": "fine", "image": "img/a.png"}',
+                                     '{"prompt": "x", "image": "img/bad.png"}'])
+    (folder / "img" / "bad.png").write_bytes(_with_pixel_data(buffer.getvalue(), change))
+    with Image.open(folder / "img" / "bad.png") as image:
+        image.verify()  # what the check relied on
+    with pytest.raises(UserError, match=r"train.jsonl:2: condition image 'img/bad.png' is not a readable image "
+                                        r"\((broken data stream|image file is truncated)"):
+        load_prompts(folder, "train")
+
+
+def test_a_16_bit_greyscale_png_is_scaled_to_8_bits_not_clipped(tmp_path):
+    from PIL import Image
+
+    from common.data import load_images
+
+    values = np.linspace(0, 65535, 64 * 3).round().astype(np.uint16).reshape(8, 24)
+    Image.fromarray(values).save(tmp_path / "deep.png")
+    with Image.open(tmp_path / "deep.png") as image:
+        assert image.mode == "I;16"  # as PNG keeps it
+    (loaded,) = load_images([tmp_path / "deep.png"])
+    expected = np.floor(values.astype(np.float64) * 255 / 65535 + 0.5).astype(np.uint8)  # 65535 -> 255, 257 -> 1
+    assert loaded.mode == "RGB" and expected.max() == 255 and np.unique(expected).size > 100
+    np.testing.assert_array_equal(np.asarray(loaded), np.repeat(expected[:, :, None], 3, axis=2))
+
+
+@pytest.mark.parametrize("orientation,turn", [(3, 2), (6, -1), (8, 1)])  # EXIF: 180°, 90° clockwise, 90° counter
+def test_exif_orientation_turns_condition_images_as_diffusers_load_image(tmp_path, orientation, turn):
+    from diffusers.utils import load_image
+    from PIL import Image
+
+    from common.data import condition_image_size, load_images
+
+    pixels = np.random.default_rng(orientation).integers(0, 256, (4, 10, 3), dtype=np.uint8)  # 10 wide, 4 high
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    path = tmp_path / "photo.png"
+    Image.fromarray(pixels).save(path, exif=exif)
+    (loaded,) = load_images([path])
+    expected = np.rot90(pixels, k=turn)  # numpy's counter-clockwise quarter turns
+    np.testing.assert_array_equal(np.asarray(loaded), expected)
+    np.testing.assert_array_equal(np.asarray(loaded), np.asarray(load_image(str(path))))
+    assert condition_image_size(str(path)) == (expected.shape[1], expected.shape[0])

@@ -62,7 +62,7 @@ def test_fsdp2_configs_wrap_every_transformer_block(model):
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
     from fsdp_launch import fsdp_plugin
 
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     cls_name, blocks = BLOCKS[model]
     transformer = getattr(diffusers, cls_name).from_pretrained(tiny_model_path(model) / "transformer")

@@ -77,6 +77,46 @@ def test_bad_input_is_one_line(tmp_path):
     assert script_error("evaluate.py", "--model", "wan9").startswith("error: invalid choice 'wan9' for argument '--model'")
 
 
+def test_bad_prompt_files_and_output_paths_are_one_line_before_anything_is_loaded(tmp_path):
+    """Each is refused before the model loads (here one that would not) and long before any scoring: a --output
+    folder that does not exist used to be found only when the results were written."""
+    model = ["--model-path", tmp_path / "no-model"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_bytes('{"prompt": "a caf\xe9", "category": "object", "atoms": ["A cup?"], "seed": 1}\n'
+                        .encode("latin-1"))
+    benchmark = ["evaluate.py", "--benchmark", "geneval2", "--benchmark-prompts", prompts, *model]
+    assert script_error(*benchmark) == f"error: {prompts}:1: not UTF-8 text (byte 0xe9 at column 18)"
+    prompts.write_text(json.dumps({"prompt": "a cat", "category": "object", "atoms": ["A cat?"], "seed": 2**63}))
+    assert script_error(*benchmark) == (f'error: {prompts}:1: needs "seed" or "seeds" (distinct integers from 0 to '
+                                        f'2^63 - 1)')
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep")
+    for flags, line in [
+        (["--output", tmp_path / "missing" / "eval.json"],
+         f"--output {tmp_path / 'missing' / 'eval.json'}: the folder {tmp_path / 'missing'} does not exist"),
+        (["--output", tmp_path], f"--output {tmp_path} is a folder: give the name of the JSON file to write"),
+        (["--grid-dir", notes], f"--grid-dir {notes}: it is a file, not a folder"),
+        (["--grid-dir", notes / "grids"], f"--grid-dir {notes / 'grids'}: {notes} is a file, not a folder"),
+        (["--benchmark", "geneval2", "--benchmark-dir", notes], f"--benchmark-dir {notes}: it is a file, not a folder"),
+    ]:
+        assert script_error("evaluate.py", *model, *flags) == f"error: {line}"
+    assert notes.read_text() == "keep" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "prompts.jsonl"]
+
+
+def test_a_damaged_newest_checkpoint_is_named_with_the_one_scored_instead(tmp_path, tiny_flux_path):
+    out = tmp_path / "run"
+    run_script("algos/nft.py", *TINY, "--eval-every", "0", "--output-dir", out)  # checkpoints of epochs 0 and 1
+    state = out / "checkpoints" / "epoch_000001" / "training_state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    result = tmp_path / "eval.json"
+    printed = run_script("evaluate.py", "--run", out, "--output", result, "--grid-dir", tmp_path / "grids").stdout
+    assert (f"note: --run {out}: skipped checkpoints that do not load completely: epoch_000001 (training_state.pt "
+            f"does not match its sha256 in meta.json); scoring epoch_000000 instead") in printed.splitlines()
+    (scored,) = json.loads(result.read_text())
+    assert (scored["name"], scored["epoch"]) == ("run", 0)
+
+
 def test_another_process_writing_the_same_grid_between_save_and_rename(tmp_path, monkeypatch):
     """Concurrent evaluations share --grid-dir (runs/evaluate by default); a grid name written by two processes at
     once lost one of them its results (the shared temporary file was renamed away under it)."""

@@ -26,7 +26,7 @@ PROMPTS = [Prompt("a photo of a red cat"), Prompt("a dog")]
 
 @pytest.fixture(scope="module")
 def paths():
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     return {model: tiny_model_path(model) for model in MODELS}
 
@@ -198,7 +198,7 @@ def test_bad_input_is_refused_with_one_line(paths):
 def test_tiny_builds_are_deterministic(tmp_path, monkeypatch, paths):
     from safetensors.torch import load_file
 
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path))
     for model in MODELS:

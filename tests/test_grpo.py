@@ -164,16 +164,17 @@ def test_existing_run_and_nan_reward_leave_outputs_intact(two_epoch_run, tmp_pat
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     refused = run_script("algos/grpo.py", *FAST, "--output-dir", out, check=False)  # a process: setup refuses it
     assert refused.returncode == 2 and "already holds a run: pass --resume" in refused.stderr.splitlines()[-1]
-    # A reward that returns NaN, registered the way a user extension would, on a resumed run.
+    # The run's own reward turned into one that returns NaN (registered under its name the way a user extension
+    # would be: another --reward would be refused on resume), on a resumed run.
     wrapper = ("import runpy, sys, numpy as np, rewards; "
-               "rewards.REWARDS['broken'] = (lambda device, dtype: (lambda images, prompts: "
+               "rewards.REWARDS['jpeg_compressibility'] = (lambda device, dtype: (lambda images, prompts: "
                "np.full(len(prompts), np.nan)), False); "
                f"sys.argv = ['grpo.py'] + sys.argv[1:]; runpy.run_path({str(REPO / 'algos/grpo.py')!r}, "
                "run_name='__main__')")
-    result = subprocess.run([sys.executable, "-c", wrapper, *FAST, "--epochs", "4", "--reward", "broken",
-                             "--output-dir", str(out), "--resume"], cwd=REPO, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-c", wrapper, *FAST, "--epochs", "4", "--output-dir", str(out),
+                             "--resume"], cwd=REPO, capture_output=True, text=True)
     assert result.returncode != 0
-    assert result.stderr.strip().splitlines()[-1].startswith("error: reward 'broken' returned NaN")
+    assert result.stderr.strip().splitlines()[-1].startswith("error: reward 'jpeg_compressibility' returned NaN")
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
@@ -232,7 +233,7 @@ def test_a_run_that_builds_the_tiny_model_equals_one_that_finds_it(two_epoch_run
     """Building the tiny model seeds torch's RNG; it must not leak into the run (LoRA init, noise) that built it."""
     run_script("algos/grpo.py", *FAST, "--epochs", "1", "--eval-every", "0", "--output-dir", tmp_path / "built",
                env={"FLOWRL_CACHE": str(tmp_path / "empty-cache")})
-    from common.tiny import TINY_VERSION
+    from common.models.tiny_parts import TINY_VERSION
 
     assert (tmp_path / "empty-cache" / f"tiny-flux1-v{TINY_VERSION}" / "model_index.json").exists()
     built, found = read_metrics(tmp_path / "built")[0], read_metrics(two_epoch_run)[0]

@@ -25,7 +25,7 @@ RESOLUTION, FRAMES, TEXT, GUIDANCE = 32, 5, 32, 6.0  # 5 frames -> 2 latent fram
 
 @pytest.fixture(scope="module")
 def paths():
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     return {model: tiny_model_path(model) for model in MODELS}
 
@@ -127,7 +127,7 @@ def test_saved_lora_loads_into_the_stock_transformer_and_reproduces_our_model(pa
     model = "hunyuan-video-1.5-i2v"
     adapter = adapter_of(model, paths[model])
     cond = cond_of(adapter, model, records)
-    add_lora(adapter.transformer, 4, 8, adapter.lora_target_modules)
+    add_lora(adapter.transformer, 4, 8, adapter.lora_target_modules, adapter.unused_modules(adapter.transformer))
     wrapped = {name for name, module in adapter.transformer.named_modules() if hasattr(module, "lora_A")}
     assert {"transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.add_k_proj"} <= wrapped
     generator = torch.Generator().manual_seed(0)

@@ -13,9 +13,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from common.cli import AttentionBackend
 from common.flops import FlopCounter, default_peak_tflops
-from common.models import ADAPTERS, MODELS, load_adapter
+from common.models import ADAPTERS, MODELS, load_adapter, tiny_model_path
 from common.sampling import sample_generators
-from common.tiny import tiny_model_path
 from common.training import add_lora
 from common.utils import UserError
 from conftest import SLOW, read_metrics, run_script, script_error
@@ -64,12 +63,12 @@ def test_forward_and_lora_backward_counts_equal_torchs_flop_counter(model):
     adapter = tiny_adapter(model)
     x, cond, guidance = batch(adapter)
     counter = FlopCounter()
-    counter.attach(adapter.transformer)
+    counter.attach(adapter.transformer, adapter=adapter)
     with torch.no_grad():
         expected = torch_count(lambda: adapter.velocity(x, 0.6, cond, guidance))
     assert expected > 0 and counter.take() == expected
     add_lora(adapter.transformer, 4, 4, adapter.lora_target_modules)
-    counter.attach(adapter.transformer)  # the new LoRA factors; the hooked layers are not hooked twice
+    counter.attach(adapter.transformer, adapter=adapter)  # the new LoRA factors; the hooked layers are not hooked twice
     expected = torch_count(lambda: adapter.velocity(x, 0.6, cond, guidance).square().mean().backward())
     assert counter.take() == expected
 
@@ -79,13 +78,13 @@ def test_full_backward_checkpointing_copies_and_pauses():
     x, cond, guidance = batch(adapter)
     transformer = adapter.transformer.requires_grad_(True)
     counter = FlopCounter()
-    counter.attach(transformer)
+    counter.attach(transformer, adapter=adapter)
     step = lambda: adapter.velocity(x, 0.6, cond, guidance).square().mean().backward()  # noqa: E731
     expected = torch_count(step)
     assert counter.take() == expected
     # a frozen deepcopy (a full fine-tune's reference) counts into the same counter, and only its forward
     frozen = copy.deepcopy(transformer).requires_grad_(False)
-    counter.attach(frozen)
+    counter.attach(frozen, adapter=adapter)
     with torch.no_grad():
         forward = torch_count(lambda: adapter.velocity(x, 0.6, cond, guidance, transformer=frozen))
     assert counter.take() == forward and 0 < forward < expected

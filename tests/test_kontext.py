@@ -27,7 +27,7 @@ def scene(colour, size=(32, 32), box=(4, 8, 20, 24)) -> Image.Image:
 
 @pytest.fixture(scope="module")
 def path():
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     return tiny_model_path("flux1-kontext")
 

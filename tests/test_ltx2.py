@@ -29,7 +29,7 @@ PROMPTS = [Prompt("a photo of a red cat", "blurry, low quality"), Prompt("a dog"
 
 @pytest.fixture(scope="module")
 def path():
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     return tiny_model_path("ltx2")
 
@@ -61,7 +61,7 @@ def pipeline_outputs(pipe, guidance, steps, seeds, output_type):
                 audio_guidance_scale=guidance[1], stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0,
                 audio_modality_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0,
                 spatio_temporal_guidance_blocks=None, max_sequence_length=16, output_type=output_type,
-                generator=sample_generators(seeds, "cpu"))
+                use_cross_timestep=False, generator=sample_generators(seeds, "cpu"))  # LTX-2.0's reference
 
 
 def joint_latents(pipe, output):

@@ -32,7 +32,7 @@ def scene(colour, size, box) -> Image.Image:
 
 @pytest.fixture(scope="module")
 def path():
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     return tiny_model_path("ltx2-i2v")
 
@@ -61,9 +61,10 @@ def adapter(path):
     return adapter_of(path)
 
 
-def stock(path, records, guidance, steps, seeds, output_type, lora=None):
+def stock(path, records, guidance, steps, seeds, output_type, lora=None, use_cross_timestep=False):
     """LTX2ImageToVideoPipeline on the same checkpoint, CFG only (its spatio-temporal and modality guidance and its
-    rescale off), the condition image encoded as given (image_crf=0)."""
+    rescale off), the condition image encoded as given (image_crf=0), the cross-attention modulated as LTX-2.0's
+    reference does (use_cross_timestep=False; the pipeline's default True is LTX-2.3's)."""
     from diffusers import LTX2ImageToVideoPipeline
 
     pipe = LTX2ImageToVideoPipeline.from_pretrained(str(path))
@@ -76,7 +77,7 @@ def stock(path, records, guidance, steps, seeds, output_type, lora=None):
                   guidance_scale=guidance[0], audio_guidance_scale=guidance[1], stg_scale=0.0, audio_stg_scale=0.0,
                   modality_scale=1.0, audio_modality_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0,
                   spatio_temporal_guidance_blocks=None, image_crf=0, max_sequence_length=16, output_type=output_type,
-                  generator=sample_generators(seeds, "cpu"))
+                  use_cross_timestep=use_cross_timestep, generator=sample_generators(seeds, "cpu"))
     if output_type != "latent":
         return output
     # denormalised, unpacked -> normalised, packed: the condition's tokens, then our state's
@@ -105,6 +106,11 @@ def test_ode_rollout_and_decode_reproduce_the_stock_pipeline(adapter, path, reco
                                                                               "latent")):
             torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-5)
     assert (finals[(1.0, 1.0)] - finals[GUIDANCE]).abs().max() > 0.01
+    # LTX-2.3's modulation (the pipeline's default) is another model here: the condition tokens' timestep 0 is not
+    # the audio's σ
+    for ours, theirs in zip(whole(adapter, finals[GUIDANCE], cond),
+                            stock(path, records, GUIDANCE, 4, [3, 4], "latent", use_cross_timestep=True)):
+        assert (ours - theirs).abs().max() > 1e-3
     ours, theirs = adapter.decode(finals[GUIDANCE], cond), stock(path, records, GUIDANCE, 4, [3, 4], "pt")
     assert ours.video.shape == theirs.frames.shape == (2, FRAMES, 3, RESOLUTION, RESOLUTION)
     torch.testing.assert_close(ours.video, theirs.frames, rtol=0, atol=1e-5)

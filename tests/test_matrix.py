@@ -118,7 +118,7 @@ def assert_lora_changes_the_stock_pipeline(model, lora, dataset):
 
     from common.data import load_prompts
     from common.models import ADAPTERS
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     record = load_prompts(dataset, "test")[0]
     # the adapter's pipeline: LTX-2's one checkpoint names LTX2Pipeline, whichever mode loads it

@@ -1,5 +1,8 @@
 """The FLUX.1 adapter on the tiny pipeline: parity with diffusers, the ratio invariant, bad input."""
 
+import inspect
+import shutil
+
 import pytest
 import torch
 from diffusers import FluxPipeline
@@ -7,7 +10,7 @@ from diffusers import FluxPipeline
 from common.dynamics import sde_step
 from common.models import load_adapter
 from common.sampling import sample_generators
-from conftest import ode_sample, sde_trajectory
+from conftest import ACCELERATE_2CPU, SLOW, ode_sample, run_script, sde_trajectory
 from common.utils import UserError
 
 
@@ -64,7 +67,7 @@ def test_bad_model_and_resolution(tiny_flux_path):
 def test_tiny_build_is_deterministic(tmp_path, monkeypatch, tiny_flux_path):
     from safetensors.torch import load_file
 
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path))
     rebuilt = tiny_model_path("flux1")
@@ -122,11 +125,97 @@ def test_training_scripts_turn_off_cudnn_attention():
 
 
 def test_every_model_name_has_an_adapter_a_default_path_and_a_tiny_build():
-    """The --model names the scripts, preprocess.py and evaluate.py parse (common.cli.ModelName) are the adapters'."""
+    """The --model names the scripts, preprocess.py and evaluate.py parse (common.cli.ModelName) are the registry's,
+    and each row's adapter, checkpoint, tiny builder and capabilities are what the family's module has."""
+    import sys
     from typing import get_args
 
-    from common.cli import ModelName
-    from common.models import ADAPTERS, DEFAULT_MODEL_PATHS
-    from common.tiny import TINY_BUILDERS
+    from common.cli import CONDITIONED_MODELS, TWO_EXPERT_MODELS, VIDEO_MODELS, ModelName
+    from common.models import ADAPTERS, DEFAULT_MODEL_PATHS, MODELS
+    from common.models.registry import MODELS as ROWS
 
-    assert set(get_args(ModelName)) == set(ADAPTERS) == set(DEFAULT_MODEL_PATHS) == set(TINY_BUILDERS)
+    assert get_args(ModelName) == tuple(ROWS) == MODELS == tuple(ADAPTERS) == tuple(DEFAULT_MODEL_PATHS)
+    for model, row in ROWS.items():
+        adapter = ADAPTERS[model]
+        assert adapter.__module__ == f"common.models.{row.family}" and adapter.__name__ == row.adapter, model
+        assert callable(getattr(sys.modules[adapter.__module__], row.tiny)), model
+        assert DEFAULT_MODEL_PATHS[model] == row.checkpoint
+        assert inspect.signature(adapter).parameters["max_sequence_length"].default == row.text_length, model
+        assert (row.video, row.audio, row.two_experts, row.conditioned) == \
+            (adapter.video, adapter.audio, getattr(adapter, "two_experts", False), adapter.condition_images[1] != 0), \
+            model
+        assert (model in VIDEO_MODELS, model in TWO_EXPERT_MODELS, model in CONDITIONED_MODELS) == \
+            (row.video, row.two_experts, row.conditioned)
+    assert "wan2.2" in TWO_EXPERT_MODELS and "ltx2" in VIDEO_MODELS and "flux1-kontext" in CONDITIONED_MODELS
+
+
+def test_an_incomplete_tiny_pipeline_in_the_cache_is_rebuilt(tmp_path, monkeypatch):
+    """What two ranks building at once used to leave (an empty text_encoder/): never reused, rebuilt whole."""
+    from common.models import _complete_pipeline, tiny_model_path
+    from common.models.tiny_parts import TINY_VERSION
+
+    monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path))
+    broken = tmp_path / f"tiny-flux1-v{TINY_VERSION}"
+    shutil.copytree(_fresh_tiny(tmp_path / "other", "flux1"), broken)
+    shutil.rmtree(broken / "text_encoder")
+    (broken / "text_encoder").mkdir()
+    assert not _complete_pipeline(broken)
+    assert tiny_model_path("flux1") == broken and _complete_pipeline(broken)
+    assert (broken / "text_encoder" / "model.safetensors").is_file()
+
+
+def _fresh_tiny(cache, model):
+    import os
+
+    from common.models import tiny_model_path
+
+    previous = os.environ["FLOWRL_CACHE"]
+    os.environ["FLOWRL_CACHE"] = str(cache)
+    try:
+        return tiny_model_path(model)
+    finally:
+        os.environ["FLOWRL_CACHE"] = previous
+
+
+@SLOW
+def test_two_ranks_build_a_tiny_pipeline_once_and_whole(tmp_path):
+    """Both ranks of a launch ask for the tiny Qwen-Image in an empty cache: the folder they leave holds every
+    component (transformers saves only on rank 0 under torch.distributed; a rank-1 build lacked the text encoder)."""
+    from common.models import _complete_pipeline
+    from common.models.tiny_parts import TINY_VERSION
+
+    result = run_script("tests/tiny_build_launch.py", "qwen-image", launcher=ACCELERATE_2CPU,
+                        env={"FLOWRL_CACHE": str(tmp_path)})
+    assert result.stdout.count(f"tiny-qwen-image-v{TINY_VERSION}") == 2
+    built = tmp_path / f"tiny-qwen-image-v{TINY_VERSION}"
+    assert _complete_pipeline(built) and any((built / "text_encoder").glob("*.safetensors"))
+    assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no temporary folder left beside it
+
+
+def test_an_unset_text_length_is_the_model_s_own(monkeypatch):
+    """--max-sequence-length unset is the length each model's stock pipeline encodes by default (its __call__'s
+    max_sequence_length), in the training scripts, preprocess.py and evaluate.py alike (the embedding cache's key
+    takes the scripts' value); a given length stays."""
+    import inspect
+    import sys
+
+    import diffusers
+
+    import evaluate
+    import preprocess
+    from common.cli import TrainArgs, parse_args
+    from common.models import ADAPTERS
+
+    # HunyuanVideo15Pipeline sets tokenizer_max_length = 1000 in its __init__; QwenImage21Pipeline never cuts a
+    # prompt: the adapter's bound
+    own = {"hunyuan-video-1.5": 1000, "hunyuan-video-1.5-i2v": 1000, "qwen-image-2.1": 512}
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # parse_args installs the one-line error hook
+    for model, adapter in ADAPTERS.items():
+        call = inspect.signature(getattr(diffusers, adapter.pipeline_class_name).__call__).parameters
+        expected = call["max_sequence_length"].default if "max_sequence_length" in call else own[model]
+        for args_class in (TrainArgs, preprocess.Args):
+            monkeypatch.setattr(sys, "argv", ["script.py", "--model", model])
+            assert parse_args(args_class, check=lambda args: None).max_sequence_length == expected, model
+        assert evaluate.settings(evaluate.Args(model=model), None).max_sequence_length == expected, model
+    monkeypatch.setattr(sys, "argv", ["script.py", "--model", "ltx2", "--max-sequence-length", "77"])
+    assert parse_args(TrainArgs).max_sequence_length == 77

@@ -305,7 +305,7 @@ def test_one_epoch_on_other_models(tmp_path, model, flags, request):
     from peft.utils import get_peft_model_state_dict
 
     from common.models import load_adapter
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
     from common.training import add_lora
 
     adapter = load_adapter(model, str(tiny_model_path(model)), "cpu", torch.float32, 32, 16)

@@ -34,7 +34,7 @@ TEXT = [Prompt("a photo of a red cat", "blurry, low quality"), Prompt("a dog", "
 
 @pytest.fixture(scope="module")
 def path():
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     return tiny_model_path("qwen-image-2.1")
 

@@ -2,8 +2,8 @@
 embeddings and rollouts equal the pipeline's (one and two condition images, with and without true CFG, the
 pipeline's own resize and a fixed condition size), the ratio invariant with CFG, a LoRA that the stock pipeline
 loads, the embedding cache (condition latents included, cached = online, bitwise) and bad condition images. The
-tiny pipeline's processor is image-only (common/tiny.py: it needs no torchvision); a checkpoint whose processor needs
-torchvision stops with one line where it is missing."""
+tiny pipeline's processor is image-only (common/models/qwen_image_edit.py: it needs no torchvision); a checkpoint
+whose processor needs torchvision stops with one line where it is missing."""
 
 import pytest
 import torch
@@ -27,7 +27,7 @@ RESOLUTION, GUIDANCE, SIZE = 64, 4.0, 32  # SIZE: --condition-size of most tests
 
 @pytest.fixture(scope="module")
 def path():
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     return tiny_model_path("qwen-image-edit")
 
@@ -207,7 +207,7 @@ def test_saved_lora_loads_into_the_pipeline_and_reproduces_our_model(path, datas
     records = load_prompts(dataset, "two")
     adapter = adapter_of(path)
     cond = PromptEncoder(adapter)(records)
-    add_lora(adapter.transformer, 4, 8, adapter.lora_target_modules)
+    add_lora(adapter.transformer, 4, 8, adapter.lora_target_modules, adapter.unused_modules(adapter.transformer))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in adapter.transformer.named_parameters():

@@ -103,18 +103,66 @@ def test_resume_drops_a_metrics_line_cut_by_a_kill(run_copy):
     assert [m["epoch"] for m in read_metrics(run_copy)] == list(range(6))
 
 
-@pytest.mark.parametrize("flags,needle", [
-    (["--seed", "2"], "--seed is 2 but the run in"),
-    pytest.param(["--group-size", "4"], "--group-size is 4 but the run in", marks=SLOW),
-    pytest.param(["--prompts-per-epoch", "4"], "--prompts-per-epoch is 4 but the run in", marks=SLOW),
-    pytest.param(["--lora-rank", "4"], "--lora-rank is 4 but the run in", marks=SLOW),
-    (["--model", "sd3", "--resolution", "32"], "--model is 'sd3' but the run in"),
+# Every flag but those listed in common.cli.RESUMABLE_FLAGS defines the run: the shared ones (what is sampled, how it
+# is rewarded, what is trained) and each script's own (its loss), e.g. grpo's --clip-range.
+@pytest.mark.parametrize("flags,needles", [
+    (["--seed", "2"], ["--seed is 2 but the run in"]),
+    pytest.param(["--group-size", "4"], ["--group-size is 4 but the run in"], marks=SLOW),
+    pytest.param(["--prompts-per-epoch", "4"], ["--prompts-per-epoch is 4 but the run in"], marks=SLOW),
+    pytest.param(["--lora-rank", "4"], ["--lora-rank is 4 but the run in"], marks=SLOW),
+    (["--reward", "jpeg_incompressibility"], ["--reward is ['jpeg_incompressibility'] but the run in", "with []"]),
+    (["--resolution", "32"], ["--resolution is 32 but the run in", "with 64"]),
+    (["--clip-range", "0.5"], ["--clip-range is 0.5 but the run in", "with 0.01"]),
+    pytest.param(["--max-sequence-length", "16"], ["--max-sequence-length is 16 but the run in"], marks=SLOW),
+    pytest.param(["--num-steps", "4"], ["--num-steps is 4 but the run in"], marks=SLOW),
+    (["--model", "sd3", "--resolution", "32"], ["--model is 'sd3' but the run in", "; --resolution is 32 but",
+                                                "these define the run, so they cannot"]),
 ])
-def test_resume_refuses_flags_that_change_the_run(run_copy, flags, needle):
+def test_resume_refuses_flags_that_change_the_run(run_copy, flags, needles):
     before = snapshot(run_copy)
     line = error_line(resume(run_copy, *flags, check=False))
-    assert needle in line and "it defines the run, so it cannot change on resume" in line
+    assert all(needle in line for needle in needles) and line.endswith("cannot change on resume"), line
     assert snapshot(run_copy) == before
+
+
+def test_every_flag_that_may_change_on_resume_is_a_flag_of_some_script():
+    """A misspelt name in RESUMABLE_FLAGS would let nothing change and refuse nothing more: each names a flag."""
+    import dataclasses
+    import importlib.util
+
+    from common.cli import RESUMABLE_FLAGS, TrainArgs
+
+    names = {spec.name for spec in dataclasses.fields(TrainArgs)}
+    for script in sorted((REPO / "algos").glob("*.py")):
+        module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(script.stem, script))
+        module.__spec__.loader.exec_module(module)
+        names |= {spec.name for spec in dataclasses.fields(module.Args)}
+    assert set(RESUMABLE_FLAGS) <= names, set(RESUMABLE_FLAGS) - names
+
+
+def test_resume_refuses_other_training_prompts_and_names_every_other_changed_flag(run_copy, tmp_path):
+    """The training prompts are compared by content: an edited dataset is refused, the same prompts in another
+    folder resume (with a note, as for every other flag that may change)."""
+    from common.data import DEFAULT_DATASET
+
+    edited, moved = tmp_path / "edited", tmp_path / "moved"
+    for folder in (edited, moved):
+        shutil.copytree(DEFAULT_DATASET, folder)
+    train = edited / "train.txt"
+    train.write_text(train.read_text() + "one more prompt\n")
+    before = snapshot(run_copy)
+    line = error_line(resume(run_copy, "--dataset", edited, check=False))
+    assert line == (f"error: --resume: the training prompts of {edited} are not those of the run in {run_copy}; it "
+                    f"defines the run, so it cannot change on resume")
+    assert snapshot(run_copy) == before
+
+    result = resume(run_copy, "--dataset", moved, "--learning-rate", "0.01", "--batch-size", "4", epochs=5)
+    notes = [line for line in result.stdout.splitlines() if line.startswith("note: --")]
+    assert notes == [f"note: --dataset is {str(moved)!r}, not {DEFAULT_DATASET!r} as when epoch_000003 was saved",
+                     "note: --epochs is 5, not 4 as when epoch_000003 was saved",
+                     "note: --batch-size is 4, not 8 as when epoch_000003 was saved",
+                     "note: --learning-rate is 0.01, not 0.03 as when epoch_000003 was saved"], result.stdout
+    assert [m["epoch"] for m in read_metrics(run_copy)] == [0, 1, 2, 3, 4]
 
 
 def test_resume_refuses_another_algorithm(run_copy):

@@ -180,6 +180,74 @@ def test_bad_specs_give_one_line_errors(spec, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
+def _not_weights(folder, kind):
+    """A reward checkpoint that is not what its name says."""
+    from safetensors.torch import save_file
+
+    if kind == "cut-short safetensors":
+        save_file({"0.weight": torch.randn(64, 64)}, folder / "head.safetensors")
+        data = (folder / "head.safetensors").read_bytes()
+        (folder / "head.safetensors").write_bytes(data[: len(data) // 2])
+        return folder / "head.safetensors"
+    if kind in ("text as safetensors", "text as pth"):
+        path = folder / ("head.safetensors" if kind == "text as safetensors" else "head.pth")
+        path.write_text("a cat\n" * 100)
+        return path
+    if kind == "Git LFS pointer":
+        path = folder / "head.safetensors"
+        path.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 1234\n")
+        return path
+    if kind == "cut-short pth":
+        torch.save({"0.weight": torch.randn(64, 64)}, folder / "head.pth")
+        data = (folder / "head.pth").read_bytes()
+        (folder / "head.pth").write_bytes(data[: len(data) // 2])
+        return folder / "head.pth"
+    if kind == "pickle of other objects":
+        torch.save({"0.weight": torch.zeros(1), "hook": print}, folder / "head.pth")  # pickles builtins.print
+        return folder / "head.pth"
+    torch.save([torch.zeros(1)], folder / "head.pth")  # "a list"
+    return folder / "head.pth"
+
+
+@pytest.mark.parametrize("kind,why", [
+    ("cut-short safetensors", "does not load: not a complete safetensors file (SafetensorError: Error while "
+                              "deserializing header"),
+    ("text as safetensors", "does not load: not a complete safetensors file (SafetensorError:"),
+    ("text as pth", "does not load: not a complete torch.save file ("),
+    ("cut-short pth", "does not load: not a complete torch.save file ("),
+    ("Git LFS pointer", "does not load: it is a Git LFS pointer, not the weights (fetch them: git lfs pull)"),
+    ("pickle of other objects", "does not load: it pickles print, not only tensors, and such a file is not loaded "
+                                "(no pickled code runs)"),
+    ("a list", "holds a list, not a state dict of tensors"),
+])
+@pytest.mark.parametrize("spec", ["aesthetic,path={clip},head={file}", "hpsv3,path={file}", "imagereward,path={file}"])
+def test_a_reward_checkpoint_that_is_not_weights_is_one_line(clip_dir, tmp_path, kind, why, spec):
+    file = _not_weights(tmp_path, kind)
+    with pytest.raises(UserError) as info:
+        load_rewards([spec.format(clip=clip_dir, file=file)])
+    message = str(info.value)
+    assert message.startswith(f"reward checkpoint {file} ") and why in message, message
+    assert "\n" not in message and "weights_only" not in message
+
+
+@pytest.mark.parametrize("spec,what", [
+    ("hpsv3,path={tmp}/missing.safetensors", "the reward checkpoint"),
+    ("editreward,path=./no-such-editreward", "the reward checkpoint"),
+    ("videoalign,path=~/no-such-videoalign", "the reward checkpoint"),
+    ("imagereward,path=models/ImageReward.pt", "the reward checkpoint"),  # models/ exists here: a local path
+    ("pickscore,path=models/pickscore", "the CLIP model"),
+    ("aesthetic,path={clip},head=weights/of/a/head.pth", "the aesthetic head"),  # more than one /: no hub id
+])
+def test_a_missing_local_reward_path_is_not_tried_as_a_hub_id(clip_dir, tmp_path, monkeypatch, spec, what):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    spec = spec.format(tmp=tmp_path, clip=clip_dir)
+    path = spec.split("=")[-1]
+    with pytest.raises(UserError) as info:
+        load_rewards([spec])
+    assert str(info.value) == f"cannot load {what} {path!r}: no such file or folder"
+
+
 def test_duplicate_names_are_refused_and_renamed():
     with pytest.raises(UserError, match="two rewards are named 'jpeg_compressibility'.*name="):
         load_rewards(["jpeg_compressibility", "jpeg_compressibility:2"])

@@ -59,9 +59,10 @@ def pil(image):
     return Image.fromarray((image.numpy() * 255).round().astype(np.uint8).transpose(1, 2, 0))
 
 
-def reference_hidden(checkpoint, base, model_class, special_tokens, text, images, pixels):
+def reference_hidden(checkpoint, base, model_class, special_tokens, text, images, pixels, sequential_positions=False):
     """Last hidden states at the reward tokens, from transformers' processor and ForConditionalGeneration model on
-    the checkpoint's weights (one sample, no padding)."""
+    the checkpoint's weights (one sample, no padding); `sequential_positions`: positions 0..L-1 instead of the
+    model's 3-D M-RoPE ones (HPSv3, trained under transformers 4.45.2's forward)."""
     import transformers
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer, Qwen2VLImageProcessorPil
@@ -74,6 +75,8 @@ def reference_hidden(checkpoint, base, model_class, special_tokens, text, images
     ids = tokenizer(text.replace("<|placeholder|>", "<|image_pad|>"), return_tensors="pt")["input_ids"]
     image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     inputs = dict(input_ids=ids, mm_token_type_ids=(ids == image_token).long(), **vision)
+    if sequential_positions:
+        inputs["position_ids"] = torch.arange(ids.shape[1])[None]
     state = load_file(checkpoint)
     config = AutoConfig.from_pretrained(base)
     config.text_config.vocab_size = state["model.language_model.embed_tokens.weight"].shape[0]
@@ -96,9 +99,9 @@ def test_hpsv3_matches_transformers_and_hand_head(hpsv3):
         text = SYSTEM + "<|vision_start|><|image_pad|><|vision_end|>" + HPSV3_INSTRUCTION.format(
             text_prompt=prompt) + ASSISTANT
         hidden, state = reference_hidden(checkpoint, base, "Qwen2VLForConditionalGeneration", ("<|Reward|>",),
-                                         text, [pil(image)], HPSV3_PIXELS)
+                                         text, [pil(image)], HPSV3_PIXELS, sequential_positions=True)
         expected.append(ranknet(state, "rm_head.", hidden[0])[0])  # (μ, σ): μ is the score
-    np.testing.assert_allclose(scores, expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(scores, expected, rtol=0, atol=1e-6)  # float32 rounding
     assert HPSV3_INSTRUCTION.endswith("Please provide the overall ratings of this image: <|Reward|>\n\nEND\n")
 
 

@@ -3,11 +3,14 @@ one sequence-parallel group split every transformer call between them and must c
 unsplit: the transformer's output, the SDE log-probs, the LoRA gradients after DDP's mean, and a whole grpo.py run."""
 
 import json
+import os
 
+import numpy as np
 import pytest
 import torch
 from conftest import (
     ACCELERATE_2CPU,
+    REPO,
     SLOW,
     read_metrics,
     run_script,
@@ -23,7 +26,7 @@ SKIP = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", "tflo
 def test_split_step_equals_the_unsplit_one(tmp_path, model):
     """Wan splits its video tokens only (cross-attention keys, the text, stay whole); FLUX.1 splits the joint
     sequence of text and image tokens, so both of diffusers' plan shapes are covered."""
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     tiny_model_path(model)  # built here once, not by both processes at the same time
     out = tmp_path / "report.json"
@@ -42,6 +45,46 @@ def test_split_step_equals_the_unsplit_one(tmp_path, model):
     # FLUX.1 and 18% for Wan)
     unsplit, split = reports[0]["flops"]["unsplit"], sum(r["flops"]["split"] for r in reports)
     assert unsplit <= split <= 1.25 * unsplit
+
+
+def test_one_process_of_a_group_calls_the_rewards_and_both_get_its_scores(tmp_path):
+    """Both processes of a group hold the same samples: each reward is called once per sample in the group (not once
+    per process), and both processes get the same scores and named columns; a reward's failure is both's one line."""
+    out = tmp_path / "report.json"
+    run_script("tests/sp_scoring.py", out, launcher=ACCELERATE_2CPU)
+    first, second = json.loads(out.read_text())
+    assert first["calls"] == {"brightness": 8, "contrast": 8, "judge": 8}
+    assert second["calls"] == {"brightness": 0, "contrast": 0, "judge": 0}
+    images = torch.rand(8, 3, 8, 8, generator=torch.Generator().manual_seed(0)).double().numpy()
+    brightness = images.reshape(8, -1).mean(1)
+    group = np.array([1, 1, 2, 2, 1, 1, 2, 2])
+    means = {g: brightness[group == g].mean() for g in (1, 2)}
+    contrast = brightness - np.array([means[g] for g in group])
+    best = {g: brightness[group == g].max() for g in (1, 2)}
+    for report in (first, second):
+        np.testing.assert_allclose(report["scores"], np.stack([brightness, contrast], 1), rtol=0, atol=1e-12)
+        np.testing.assert_allclose(report["columns"]["contrast_below_best"],
+                                   np.array([best[g] for g in group]) - brightness, rtol=0, atol=1e-12)
+        assert report["error"].startswith("reward 'judge' raised ConnectionError at sp_scoring.py:")
+    assert second["error"] == first["error"]
+
+
+@SLOW
+def test_a_split_grpo_run_calls_each_reward_once_per_sample(tmp_path):
+    """algos/grpo.py with --sequence-parallel 2: the epoch's scoring and both evaluations call the reward on the
+    group's first process only, and the run trains on the scores that process got."""
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    run_script("algos/grpo.py", "--preset", "tiny", "--epochs", "1", "--eval-every", "1", "--eval-num-prompts", "2",
+               "--eval-seeds", "1", "--reward", f"sp_scoring:CountedBrightness,folder={calls}", "--sequence-parallel",
+               "2", "--output-dir", tmp_path / "run", launcher=ACCELERATE_2CPU, env=env)
+    assert sorted(path.name for path in calls.iterdir()) == ["calls_rank0.jsonl"]
+    lines = [json.loads(line) for line in (calls / "calls_rank0.jsonl").read_text().splitlines()]
+    scores = [score for line in lines for score in line["scores"]]
+    (metrics,) = read_metrics(tmp_path / "run")
+    assert len(scores) == 2 + metrics["samples_seen"] + 2  # the evaluation before training, the epoch, the one after
+    assert metrics["reward_mean"] == pytest.approx(np.mean(scores[2:-2]), rel=1e-12)
 
 
 @SLOW
@@ -79,7 +122,7 @@ def test_a_head_count_the_degree_does_not_divide_is_refused():
     from diffusers import WanTransformer3DModel
 
     from common.parallel import enable_sequence_parallel
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
     from common.utils import UserError
 
     transformer = WanTransformer3DModel.from_pretrained(tiny_model_path("wan") / "transformer")
@@ -95,7 +138,7 @@ def test_a_sequence_length_the_degree_does_not_divide_is_refused():
     from diffusers import FluxTransformer2DModel
 
     from common.parallel import _add_split_checks
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
     from common.utils import UserError
 
     transformer = FluxTransformer2DModel.from_pretrained(tiny_model_path("flux1") / "transformer")

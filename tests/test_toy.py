@@ -1,4 +1,4 @@
-"""The toy world (common/toy.py, rewards/toy.py, data/toy/): grammar and split, the reward's calibration on
+"""The toy world (worlds/toy/, data/toy/): grammar and split, the reward's calibration on
 ground truth, wrong prompts and noise, and the shipped pretrained pipeline with its pinned held-out score."""
 
 import numpy as np
@@ -7,11 +7,11 @@ import torch
 
 from common.models import load_adapter, resolve_model_path
 from common.sampling import sample, sample_generators
-from common.toy import (MAX_SEQUENCE_LENGTH, RESOLUTION, load_toy_split, parse_prompt, render, render_batch,
-                        toy_model_path, toy_prompts, toy_split, toy_words)
 from common.utils import UserError
 from rewards import load_rewards
-from rewards.toy import ToyReward
+from worlds.toy.reward import ToyReward
+from worlds.toy.world import (MAX_SEQUENCE_LENGTH, RESOLUTION, load_toy_split, parse_prompt, render, render_batch,
+                              toy_model_path, toy_prompts, toy_split, toy_words)
 
 # The shipped model's held-out score under the pinned protocol of `test_shipped_model_held_out_score`
 # (36 test prompts × seeds 0..3, Euler ODE, 8 steps), as measured when data/toy/model/ was made.
@@ -136,14 +136,14 @@ def test_shipped_model_held_out_score(toy_adapter):
 
 
 def test_pretrain_continue_from_trains_only_the_transformer_of_a_shipped_pipeline(tmp_path):
-    """data/toy/pretrain.py --continue-from (supervised fine-tuning, docs/toy-world.md "The ceiling"): the VAE and
+    """worlds/toy/pretrain.py --continue-from (supervised fine-tuning, docs/results/toy-world.md "The ceiling"): the VAE and
     text encoders are kept byte for byte, the transformer is trained further, and the result loads as a pipeline."""
     from diffusers import FluxPipeline
 
     from conftest import REPO, run_script
 
     model, out = REPO / "data" / "toy" / "model", tmp_path / "sft"
-    run_script("data/toy/pretrain.py", "--continue-from", model, "--out", out, "--steps", "3", "--pool", "1",
+    run_script("worlds/toy/pretrain.py", "--continue-from", model, "--out", out, "--steps", "3", "--pool", "1",
                "--batch", "4", "--warmup", "1", timeout=600)
     for part in ("vae", "text_encoder", "text_encoder_2"):
         (name,) = [p.name for p in (model / part).glob("*.safetensors")]

@@ -1,4 +1,4 @@
-"""The toy edit world (common/toy_edit.py, rewards/toy_edit.py, data/toy_edit/): the instruction grammar and the
+"""The toy edit world (worlds/toy_edit/, data/toy_edit/): the instruction grammar and the
 held-out split, the renderer, the reward on ground truth, unchanged sources and noise, each check catching its own
 mistake, the shipped dataset, and the shipped pretrained Kontext pipeline with its pinned held-out score."""
 
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from common.toy import RESOLUTION, parse_prompt, render
-from common.toy_edit import (KINDS, dataset_records, draw_scene, edit_description, edit_pairs,
-                             edit_split, instructions, parse_instruction, render_edit, transition)
 from rewards import load_rewards, score_samples
-from rewards.toy_edit import ToyEditReward
+from worlds.toy.world import RESOLUTION, parse_prompt, render
+from worlds.toy_edit.reward import ToyEditReward
+from worlds.toy_edit.world import (KINDS, dataset_records, draw_scene, edit_description, edit_pairs,
+                                   edit_split, instructions, parse_instruction, render_edit, transition)
 
 REPO = Path(__file__).resolve().parent.parent
 DATASET = REPO / "data" / "toy_edit"
@@ -223,12 +223,9 @@ def test_registered_and_scores_dataset_lines_through_their_files():
 
 # ----- the dataset -------------------------------------------------------------------------------------------
 def test_dataset_files_are_make_datasets_output(tmp_path):
-    import importlib.util
+    from worlds.toy_edit.make_dataset import write_dataset
 
-    spec = importlib.util.spec_from_file_location("make_dataset", DATASET / "make_dataset.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.write_dataset(tmp_path)
+    write_dataset(tmp_path)
     for split in ("train", "test"):
         assert (tmp_path / f"{split}.jsonl").read_text() == (DATASET / f"{split}.jsonl").read_text()
     made = sorted(p.name for p in (tmp_path / "images").iterdir())
@@ -257,7 +254,7 @@ def test_dataset_lines_follow_the_split():
 
 # ----- the shipped model -------------------------------------------------------------------------------------
 needs_model = pytest.mark.skipif(not (MODEL / "model_index.json").is_file(),
-                                 reason="data/toy_edit/model/ is made by data/toy_edit/pretrain.py")
+                                 reason="data/toy_edit/model/ is made by worlds/toy_edit/pretrain.py")
 
 
 def test_model_path_toy_resolves_to_the_edit_model():
@@ -267,7 +264,7 @@ def test_model_path_toy_resolves_to_the_edit_model():
     try:
         path = resolve_model_path("flux1-kontext", "toy")
     except UserError:
-        pytest.skip("common/toy.py's toy_model_path does not serve flux1-kontext yet")
+        pytest.skip("worlds/toy/world.py's toy_model_path does not serve flux1-kontext yet")
     assert Path(path) == MODEL
 
 
@@ -309,7 +306,7 @@ def test_shipped_model_keeps_the_toy_models_vae_and_text_encoders():
     """Only the transformer is trained: the VAE, the text encoders and the tokenizers are data/toy/model/'s."""
     from safetensors.torch import load_file
 
-    from common.toy import toy_model_path
+    from worlds.toy.world import toy_model_path
 
     for part in ("vae/diffusion_pytorch_model", "text_encoder/model", "text_encoder_2/model"):
         ours, toy = load_file(MODEL / f"{part}.safetensors"), load_file(toy_model_path() / f"{part}.safetensors")

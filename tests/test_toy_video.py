@@ -1,4 +1,4 @@
-"""The toy video world (common/toy_video.py, rewards/toy_video.py, data/toy_video/): grammar and split, the
+"""The toy video world (worlds/toy_video/, data/toy_video/): grammar and split, the
 renderer's motion, the reward's calibration on ground truth, still and reversed clips, wrong prompts and noise, the
 video-reward call path, and the shipped pretrained WanPipeline with its pinned held-out score."""
 
@@ -9,17 +9,17 @@ import pytest
 import torch
 
 from common.scoring import Reward, call_reward, check_video_rewards
-from common.toy_video import (DIRECTIONS, MAX_SEQUENCE_LENGTH, NUM_FRAMES, RESOLUTION, TOY_VIDEO_DIR,
-                              load_video_split, parse_clip_prompt, render_clip, render_clips, video_prompts,
-                              video_split, video_words)
 from common.utils import UserError
 from rewards import load_rewards
-from rewards.toy import ToyReward
-from rewards.toy_video import CHECKS, ToyVideoReward, clip_objects
+from worlds.toy.reward import ToyReward
+from worlds.toy_video.reward import CHECKS, ToyVideoReward, clip_objects
+from worlds.toy_video.world import (DIRECTIONS, MAX_SEQUENCE_LENGTH, NUM_FRAMES, RESOLUTION, TOY_VIDEO_DIR,
+                                    load_video_split, parse_clip_prompt, render_clip, render_clips, video_prompts,
+                                    video_split, video_words)
 
 MODEL = TOY_VIDEO_DIR / "model"
 needs_model = pytest.mark.skipif(not (MODEL / "model_index.json").exists(),
-                                 reason="data/toy_video/model/ not built (python data/toy_video/pretrain.py)")
+                                 reason="data/toy_video/model/ not built (python worlds/toy_video/pretrain.py)")
 
 
 def test_grammar_has_96_prompts_and_round_trips():

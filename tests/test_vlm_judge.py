@@ -30,7 +30,7 @@ QUESTION = "Is there {prompt} here? Answer yes or no."
 @pytest.fixture(scope="module")
 def judge_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-judge")
-    build_tiny_judge(folder, seed=3)
+    build_tiny_judge(folder)
     return folder
 
 
@@ -102,7 +102,7 @@ def test_scores_are_the_models_p_yes(judge_dir, judge, k, edit):
                                   f"connections=3" + (",conditions=true" if edit else "")])
         assert reward.wants_conditions == edit and reward.score.thread_safe and reward.score.model == "tiny-judge"
         if edit:  # score_samples reads condition files; the reward takes the tensors themselves
-            got = reward.score(images, prompts, conditions)
+            got = reward.score(images, prompts, conditions)["score"]
         else:
             got = score_samples([reward], images, prompts, torch.zeros(4))[:, 0].tolist()
         assert server.server.requests_served == 1 + 4  # the load-time test question, then one per sample
@@ -121,17 +121,20 @@ def test_p_yes_normalises_in_log_space():
     assert p_yes([("maybe", -0.1), ("yess", -1.0)]) is None
 
 
-def test_neither_token_in_the_top_k_scores_one_half_and_says_so(judge, capfd):
-    with serving(judge) as server:
-        (reward,) = load_rewards([f"vlm_judge,url={server.url},top_logprobs=1,retries=0"])
+def test_neither_token_in_the_top_k_scores_one_half_says_so_and_counts_it(judge, capfd):
+    vocab = len(judge.tokenizer)
+    with serving(judge, max_logprobs=vocab) as server:
+        (reward,) = load_rewards([f"vlm_judge,url={server.url},top_logprobs={vocab},retries=0"])
         judge_top = judge.top_logprobs
-        judge.top_logprobs = lambda messages, k: [("maybe", -0.1)]  # what a judge that does not answer yes/no gives
+        # what a judge that does not answer yes/no gives, for the samples about "b"
+        judge.top_logprobs = lambda messages, k, *rest: [("maybe", -0.1)] if "\"b\"" in str(messages) \
+            else judge_top(messages, k, *rest)
         try:
             got = reward.score(images_on_grid(3), ["a", "b", "c"])
         finally:
             judge.top_logprobs = judge_top
-    assert got == [0.5, 0.5, 0.5]
-    assert "neither yes nor no among the top 1 tokens" in capfd.readouterr().err
+    assert got["score"][1] == 0.5 and got["imputed"] == [0.0, 1.0, 0.0]  # logged per epoch as the imputed share
+    assert f"neither yes nor no among the top {vocab} tokens" in capfd.readouterr().err
 
 
 def test_the_judge_scores_micro_batches_concurrently_while_the_rollout_goes_on(judge):
@@ -145,14 +148,14 @@ def test_the_judge_scores_micro_batches_concurrently_while_the_rollout_goes_on(j
         in_flight, most = [0], [0]
         lock = threading.Lock()
 
-        def slow_top_logprobs(messages, k):  # counts the requests being answered at once
+        def slow_top_logprobs(messages, k, *rest):  # counts the requests being answered at once
             with lock:
                 in_flight[0] += 1
                 most[0] = max(most[0], in_flight[0])
             time.sleep(0.3)
             with lock:
                 in_flight[0] -= 1
-            return judge_top(messages, k)
+            return judge_top(messages, k, *rest)
 
         judge.top_logprobs = slow_top_logprobs
         try:
@@ -179,7 +182,7 @@ def test_a_judge_slower_than_the_timeout_is_reported_as_stuck(judge):
     with serving(judge) as server:
         (reward,) = load_rewards([f"vlm_judge,url={server.url},retries=1,backoff=0.05,timeout=0.3"])
         judge_top = judge.top_logprobs
-        judge.top_logprobs = lambda messages, k: (time.sleep(0.6), judge_top(messages, k))[1]
+        judge.top_logprobs = lambda messages, k, *rest: (time.sleep(0.6), judge_top(messages, k, *rest))[1]
         try:
             with pytest.raises(UserError, match=f"judge server {server.url} did not answer /v1/chat/completions "
                                                 r"\(no answer within 0.3 s.*\) after 2 tries; it is running but stuck"):
@@ -232,6 +235,71 @@ def test_an_answer_without_logprobs_is_one_line():
     assert "--max-logprobs" in message
 
 
+class _Scripted(JsonHandler):
+    """An OpenAI-compatible server of model "m" whose answers the test sets through `server.answer`: the "model"
+    it names and the (token, log-probability) pairs of its top log-probabilities."""
+
+    def do_GET(self):
+        self._send(200, {"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    def do_POST(self):
+        self._read_json()
+        model, top = self.server.answer["model"], [{"token": t, "logprob": lp} for t, lp in self.server.answer["top"]]
+        self._send(200, {"model": model, "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"},
+                                                      "logprobs": {"content": [{**top[0], "top_logprobs": top}]}}]})
+
+
+@contextlib.contextmanager
+def scripted(model="m", top=(("Yes", -0.2), ("No", -1.8))):
+    server = RewardServer(("127.0.0.1", 0), _Scripted)
+    server.answer = {"model": model, "top": list(top)}
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", server.answer
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_another_model_answering_mid_run_stops_the_run():
+    with scripted() as (url, answer):
+        (reward,) = load_rewards([f"vlm_judge,url={url}"])
+        assert reward.score(images_on_grid(2), ["a", "b"])["score"] == [pytest.approx(1 / (1 + math.exp(-1.6)))] * 2
+        answer["model"] = "m-v2"  # e.g. the server restarted with another checkpoint, or a load balancer's other one
+        with pytest.raises(UserError) as info:
+            reward.score(images_on_grid(2), ["a", "b"])
+    message = str(info.value)
+    assert message.startswith(f"judge server {url} answered as model 'm-v2', but as 'm' at load")
+    assert "\n" not in message
+
+
+def test_the_load_time_question_needs_a_yes_or_no():
+    with scripted(top=[("maybe", -0.1), ("Sure", -2.5)]) as (url, _):
+        with pytest.raises(UserError) as info:
+            load_rewards([f"vlm_judge,url={url},top_logprobs=2"])
+    message = str(info.value)
+    assert message.startswith(f"judge server {url} (m) answered the test question") and "\n" not in message
+    assert "with neither yes nor no among its top 2 tokens" in message
+
+
+def test_answers_without_yes_or_no_stop_the_run_after_max_neither_in_a_row(capfd):
+    with scripted() as (url, answer):
+        (reward,) = load_rewards([f"vlm_judge,url={url}"])
+        answer["top"] = [("maybe", -0.1)]
+        got = reward.score(images_on_grid(63, size=8), ["a"] * 63)  # 63 in a row: still under max_neither=64
+        assert got == {"score": [0.5] * 63, "imputed": [1.0] * 63}
+        assert "neither yes nor no among the top 20 tokens" in capfd.readouterr().err
+        answer["top"] = [("no", -0.1)]
+        assert reward.score(images_on_grid(1, size=8), ["a"]) == {"score": [0.0], "imputed": [0.0]}  # resets the count
+        answer["top"] = [("maybe", -0.1)]
+        reward.score(images_on_grid(63, size=8), ["a"] * 63)
+        with pytest.raises(UserError) as info:  # the 64th: a constant reward, which would train nothing
+            score_samples([reward], images_on_grid(1, size=8), ["a"], torch.zeros(1))
+    message = str(info.value)
+    assert message.startswith(f"judge server {url} (m) answered 64 questions in a row with neither yes nor no") \
+        and "\n" not in message and "max_neither=" in message
+
+
 @SLOW
 def test_server_command_line(judge_dir):
     command = [sys.executable, "-m", "rewards.vlm_server", "--model-path", str(judge_dir), "--port", "0",
@@ -241,7 +309,7 @@ def test_server_command_line(judge_dir):
             line = process.stdout.readline()
             assert "serving judge 'judge' on http://127.0.0.1:" in line, line or process.stderr.read()
             (reward,) = load_rewards([f"vlm_judge,url={line.split(' on ')[-1].strip()},top_logprobs=5"])
-            (score,) = reward.score(images_on_grid(1), ["a cat"])
+            (score,) = reward.score(images_on_grid(1), ["a cat"])["score"]
             assert 0 <= score <= 1 and math.isfinite(score) and json.dumps(score)
         finally:
             process.terminate()
@@ -275,12 +343,20 @@ def test_geneval2_on_a_tiny_flux_against_an_independent_aggregation(tmp_path, ju
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
     vocab, out = len(judge.tokenizer), tmp_path / "bench"
-    with serving(judge, max_logprobs=vocab) as server:
-        printed = evaluate_here("--benchmark", "geneval2", "--benchmark-prompts", prompts, "--model", "flux1",
-                                "--model-path", "tiny", "--max-sequence-length", "32", "--eval-num-steps", "2",
-                                "--batch-size", "1", "--reward", f"vlm_judge,url={server.url},top_logprobs={vocab}",
-                                "--benchmark-dir", out, "--output", tmp_path / "summary.json")
-        assert server.server.requests_served == 1 + 2 * 2 + 3 + 2  # the test question, then one per sample and atom
+    judge_top = judge.top_logprobs
+    # the atom "Yes?" gets an answer with neither yes nor no: imputed as 0.5, and counted
+    judge.top_logprobs = lambda messages, k, *rest: [("maybe", -0.1)] if "Yes?" in str(messages) \
+        else judge_top(messages, k, *rest)
+    try:
+        with serving(judge, max_logprobs=vocab) as server:
+            printed = evaluate_here("--benchmark", "geneval2", "--benchmark-prompts", prompts, "--model", "flux1",
+                                    "--model-path", "tiny", "--max-sequence-length", "32", "--eval-num-steps", "2",
+                                    "--batch-size", "1", "--reward",
+                                    f"vlm_judge,url={server.url},top_logprobs={vocab}", "--benchmark-dir", out,
+                                    "--output", tmp_path / "summary.json")
+            assert server.server.requests_served == 1 + 2 * 2 + 3 + 2  # the test question, then one per atom
+    finally:
+        judge.top_logprobs = judge_top
     result = json.loads((out / "base-geneval2.json").read_text())
     samples = [(i, x) for i, p in enumerate(result["prompts"]) for x in p["samples"]]
     assert [(i, x["seed"]) for i, x in samples] == [(0, 0), (0, 5), (1, 7), (2, 5)]
@@ -288,8 +364,10 @@ def test_geneval2_on_a_tiny_flux_against_an_independent_aggregation(tmp_path, ju
     for i, x in samples:
         image = torch.from_numpy(np.array(Image.open(out / "base-geneval2" / f"{i:04d}_seed{x['seed']}.png")))
         image = image.permute(2, 0, 1).float() / 255
-        expected = [direct_p_yes(judge_dir, [image], q, vocab) for q in lines[i]["atoms"]]
+        expected = [0.5 if q == "Yes?" else direct_p_yes(judge_dir, [image], q, vocab) for q in lines[i]["atoms"]]
         np.testing.assert_allclose(x["atoms"], expected, rtol=1e-5, atol=1e-6)
+        assert x["imputed"] == lines[i]["atoms"].count("Yes?")
+    assert (result["imputed_atoms"], result["atoms"]) == (1, 9)
     assert samples[1][1]["atoms"] == samples[3][1]["atoms"] != samples[0][1]["atoms"]  # pinned: same seed, same image
 
     # Soft-TIFA: per sample the mean, the geometric mean and all-atoms-yes; per prompt the mean over its seeds; the
@@ -311,6 +389,7 @@ def test_geneval2_on_a_tiny_flux_against_an_independent_aggregation(tmp_path, ju
     table = (out / "base-geneval2.md").read_text()
     assert table in printed and f"| all | 3 | {result['geneval2_soft']:.4f} ± {result['geneval2_soft_se']:.4f} |" \
         in table and "| again | 1 |" in table
+    assert f"imputed atoms: 1 of 9 (the judge's answer held neither yes nor no among its top {vocab} tokens" in table
     (summary,) = json.loads((tmp_path / "summary.json").read_text())
     assert summary["geneval2_gm"] == result["geneval2_gm"] and "prompts" not in summary
 

@@ -26,7 +26,7 @@ TIME_KEYS = {"epoch_time_s", "rollout_time_s", "reward_time_s", "train_time_s", 
 
 @pytest.fixture(scope="module")
 def paths():
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     return {model: tiny_model_path(model) for model in MODELS}
 
@@ -262,7 +262,7 @@ def test_nft_resume_equals_the_uninterrupted_run_and_its_lora_loads_into_the_pip
         a, b = load_file(folder / name), load_file(tmp_path / "split" / "checkpoints" / "epoch_000001" / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         assert any(v.abs().max() > 0 for k, v in a.items() if "lora_B" in k)  # each expert was trained
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     path = tiny_model_path("wan2.2")
     base = pipeline_latents(stock_pipeline(path), GUIDANCE["wan2.2"], 4, [0, 1])
@@ -287,7 +287,7 @@ def test_two_processes_train_when_a_backward_uses_one_expert(tmp_path):
 
 
 def test_each_wan_model_refuses_the_others_checkpoint(paths):
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
     from common.utils import UserError
 
     for model, other, message in (("wan2.2", tiny_model_path("wan"), "has no second expert"),

@@ -26,7 +26,7 @@ GUIDANCE = (4.0, 2.0)  # (high, low): unequal, so that a sample sent to the wron
 
 @pytest.fixture(scope="module")
 def path():
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     return tiny_model_path("wan2.2-i2v")
 
@@ -150,7 +150,7 @@ def test_cache_equals_online_bitwise(adapter, path, records, tmp_path):
 
 
 def test_bad_input_and_the_other_wan_checkpoints_are_refused_with_one_line(path, records):
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     cases = [(lambda: adapter_of(path, num_frames=6), "num_frames 6 is not 4k \\+ 1"),
              (lambda: adapter_of(path, condition_size=64), "--condition-size 64 differs from --resolution 32"),
@@ -171,7 +171,7 @@ def test_bad_input_and_the_other_wan_checkpoints_are_refused_with_one_line(path,
 def test_wan21_i2v_pads_a_short_prompt_to_the_512_text_tokens(records):
     """--preset tiny's --max-sequence-length 32 on Wan2.1 I2V: the prompt is cut at 32 tokens and zero-padded to
     the 512 rows its attention splits at, so for a prompt of ≤ 32 tokens the velocity is the one at 512."""
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     path = tiny_model_path("wan-i2v")
     short, full = (load_adapter("wan-i2v", str(path), "cpu", torch.float32, RESOLUTION, max_sequence_length=n,

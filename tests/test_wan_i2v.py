@@ -33,7 +33,7 @@ def scene(colour, size, box) -> Image.Image:
 
 @pytest.fixture(scope="module")
 def path():
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     return tiny_model_path("wan-i2v")
 
@@ -210,7 +210,7 @@ def test_bf16_weights_keep_float32_outputs_and_cfg_needs_negatives(path):
 def test_tiny_build_is_deterministic(path, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path))
     rebuilt = tiny_model_path("wan-i2v")

@@ -26,7 +26,7 @@ PROMPTS = [Prompt("a photo of a red cat", "blurry, low quality"), Prompt("a dog"
 
 @pytest.fixture(scope="module")
 def path():
-    from common.tiny import tiny_model_path
+    from common.models import tiny_model_path
 
     return tiny_model_path("z-image")
 
@@ -257,7 +257,7 @@ def test_bad_input_is_refused_with_one_line(path):
     with pytest.raises(UserError, match="max_sequence_length 1536 is too long for this Z-Image transformer"):
         load_adapter("z-image", str(path), "cpu", torch.float32, 32, max_sequence_length=1536)
     with pytest.raises(UserError, match="cannot load a Z-Image pipeline from .*not ZImagePipeline"):
-        from common.tiny import tiny_model_path
+        from common.models import tiny_model_path
 
         load_adapter("z-image", str(tiny_model_path("flux1")), "cpu", torch.float32, 32)
 

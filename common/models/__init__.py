@@ -7,78 +7,131 @@ LTX-2's image-to-video reads, its clean first frame being no part of the latents
 Weights live in the model dtype (bf16 on GPUs); everything that leaves `velocity` is float32.
 """
 
+import importlib
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
 import torch
 
-from common.models.flux import FluxAdapter
-from common.models.flux2 import Flux2Adapter, Flux2KleinAdapter
-from common.models.hunyuan_video15 import HunyuanVideo15Adapter, HunyuanVideo15ImageToVideoAdapter
-from common.models.kontext import FluxKontextAdapter
-from common.models.qwen_image21 import QwenImage21Adapter
-from common.models.ltx2 import LTX2Adapter, LTX2ImageToVideoAdapter
-from common.models.qwen_image_edit import QwenImageEditAdapter
-from common.models.wan_i2v import WanImageToVideoAdapter
-from common.models.qwen_image import QwenImageAdapter
-from common.models.sd3 import SD3Adapter
-from common.models.wan import WanAdapter
-from common.models.wan22 import Wan22Adapter, Wan22ImageToVideoAdapter, Wan22TI2VAdapter
-from common.models.z_image import ZImageAdapter
+from common.models.registry import MODELS as _ROWS
+from common.models.registry import REPO, TOY_REFUSAL, TWO_EXPERT_MODELS
+from common.models.tiny_parts import TINY_VERSION, tiny_cache_root
 from common.utils import UserError
 
-DEFAULT_MODEL_PATHS = {
-    "flux1": "black-forest-labs/FLUX.1-dev",
-    "sd3": "stabilityai/stable-diffusion-3.5-medium",
-    "qwen-image": "Qwen/Qwen-Image",
-    "wan": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
-    "flux1-kontext": "black-forest-labs/FLUX.1-Kontext-dev",
-    "qwen-image-edit": "Qwen/Qwen-Image-Edit-2511",
-    "wan-i2v": "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
-    "wan2.2": "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
-    "wan2.2-5b": "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
-    "wan2.2-i2v": "Wan-AI/Wan2.2-I2V-A14B-Diffusers",
-    "hunyuan-video-1.5": "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v",  # the pipelines' docstring ids
-    "hunyuan-video-1.5-i2v": "hunyuanvideo-community/HunyuanVideo-1.5-480p_i2v",
-    "flux2": "black-forest-labs/FLUX.2-dev",
-    "flux2-klein": "black-forest-labs/FLUX.2-klein-base-9B",  # the non-distilled base
-    "z-image": "Tongyi-MAI/Z-Image-Turbo",  # the distilled one; Tongyi-MAI/Z-Image is its base
-    "qwen-image-2.1": "Qwen/Qwen-Image-2.1",  # text-to-image and editing in one model
-    "ltx2": "Lightricks/LTX-2",
-    "ltx2-i2v": "Lightricks/LTX-2",  # one checkpoint, loaded as LTX2ImageToVideoPipeline
-}
-MODELS = tuple(DEFAULT_MODEL_PATHS)
+DEFAULT_MODEL_PATHS = {model: row.checkpoint for model, row in _ROWS.items()}
+MODELS = tuple(_ROWS)
+
+
+def tiny_model_path(model: str) -> Path:
+    """Path of the saved tiny pipeline for `model`, building it first if needed. Under torch.distributed only rank 0
+    builds it and the others wait: transformers' `save_pretrained` writes nothing on the other ranks, so a folder
+    they built would lack its text encoders. A folder is published (renamed into place) only once every component
+    that model_index.json names holds its files; an incomplete one left by an older version is rebuilt."""
+    path = tiny_cache_root() / f"tiny-{model}-v{TINY_VERSION}"
+    if _complete_pipeline(path):
+        return path
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not distributed or torch.distributed.get_rank() == 0:
+        _build_tiny(model, path)
+    if distributed:
+        torch.distributed.barrier()
+        if not _complete_pipeline(path):
+            raise UserError(f"the tiny {model} pipeline that rank 0 built is not in {path} on this machine: put "
+                            f"$FLOWRL_CACHE on a disk every machine shares, or build it there first "
+                            f"(python -c \"from common.models import tiny_model_path; tiny_model_path('{model}')\")")
+    return path
+
+
+def _complete_pipeline(path: Path) -> bool:
+    """Whether `path` holds a saved pipeline: model_index.json, and files in every component folder it names."""
+    import json
+
+    try:
+        index = json.loads((path / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return False
+    components = [name for name, value in index.items()
+                  if not name.startswith("_") and isinstance(value, list) and value[0] is not None]
+    return all(any(p.is_file() for p in (path / name).glob("*")) for name in components)
+
+
+def _build_tiny(model: str, path: Path) -> None:
+    """Build the tiny pipeline in a temporary folder beside `path`, check it, and rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        # The builders seed torch's global RNG: fork it, or a run that builds the model would draw its LoRA init
+        # and noise from another state than a run that finds it built.
+        with torch.random.fork_rng(devices=[]):
+            row = _ROWS[model]
+            getattr(importlib.import_module(f"common.models.{row.family}"), row.tiny)(tmp)
+        if not _complete_pipeline(tmp):
+            raise RuntimeError(f"the tiny {model} pipeline built in {tmp} is incomplete")
+        if path.exists():  # an incomplete folder from an earlier build: replace it
+            shutil.rmtree(path, ignore_errors=True)
+        try:
+            os.rename(tmp, path)  # atomic; fails if another process won the race
+        except OSError:
+            if not _complete_pipeline(path):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve_model_path(model: str, model_path: str | None) -> str:
-    """`tiny` -> the locally built tiny pipeline; `toy` -> the shipped toy-world pipeline (FLUX.1 only); None ->
-    the model's published checkpoint."""
-    from common.tiny import tiny_model_path
-    from common.toy import toy_model_path
-
+    """`tiny` -> the locally built tiny pipeline; `toy` -> the shipped toy world's pipeline (the registry's `toy`
+    column: FLUX.1, FLUX.1 Kontext, Wan); None -> the model's published checkpoint."""
     if model_path == "tiny":
         return str(tiny_model_path(model))
-    if model_path == "toy":  # the toy world's pretrained FLUX.1 (common/toy.py); a UserError for other models
-        return str(toy_model_path(model))
+    if model_path == "toy":  # a toy world's pretrained pipeline (the registry's `toy`); a UserError for other models
+        row = _ROWS.get(model)
+        if row is None or row.toy is None:
+            raise UserError(TOY_REFUSAL.format(model=model))
+        return str(REPO / row.toy)
     return model_path or DEFAULT_MODEL_PATHS[model]
 
 
-ADAPTERS = {"flux1": FluxAdapter, "sd3": SD3Adapter, "qwen-image": QwenImageAdapter, "wan": WanAdapter,
-            "flux1-kontext": FluxKontextAdapter, "qwen-image-edit": QwenImageEditAdapter,
-            "wan-i2v": WanImageToVideoAdapter, "wan2.2": Wan22Adapter, "wan2.2-5b": Wan22TI2VAdapter,
-            "wan2.2-i2v": Wan22ImageToVideoAdapter, "hunyuan-video-1.5": HunyuanVideo15Adapter,
-            "hunyuan-video-1.5-i2v": HunyuanVideo15ImageToVideoAdapter,
-            "flux2": Flux2Adapter, "flux2-klein": Flux2KleinAdapter,
-            "z-image": ZImageAdapter, "qwen-image-2.1": QwenImage21Adapter, "ltx2": LTX2Adapter,
-            "ltx2-i2v": LTX2ImageToVideoAdapter}
+class _Adapters(Mapping):
+    """--model name -> adapter class; a family's module is imported when one of its classes is first asked for."""
+
+    def __getitem__(self, model: str) -> type:
+        row = _ROWS[model]
+        return getattr(importlib.import_module(f"common.models.{row.family}"), row.adapter)
+
+    def __contains__(self, model) -> bool:
+        return model in _ROWS
+
+    def __iter__(self):
+        return iter(_ROWS)
+
+    def __len__(self) -> int:
+        return len(_ROWS)
+
+
+ADAPTERS = _Adapters()
+
+
+def default_max_sequence_length(model: str) -> int:
+    """The text length `model` encodes when none is given: the registry's, its stock pipeline's own (docs/models.md
+    lists them; tests/test_models.py checks them against the adapters and pipelines), so that a LoRA trained here
+    meets the text conditioning the stock pipeline gives."""
+    return _ROWS[model].text_length
 
 
 def load_adapter(model: str, model_path: str | None, device, dtype: torch.dtype, resolution: int,
-                 max_sequence_length: int = 512, load_text_encoders: bool = True, text_only: bool = False,
+                 max_sequence_length: int | None = None, load_text_encoders: bool = True, text_only: bool = False,
                  num_frames: int | None = None, condition_size: int | None = None, train_experts: str | None = None):
     """The adapter of `model`; `load_text_encoders=False` when training from the embedding cache,
     `text_only=True` to load nothing but the text encoders and condition encoders (preprocess.py). `num_frames`
-    (video models only) and `condition_size` (conditioned models only) default to the adapter's own;
-    `train_experts` (high, low or both: whose LoRA is trained) applies to two-expert models only."""
+    (video models only), `condition_size` (conditioned models only) and `max_sequence_length` default to the
+    adapter's own; `train_experts` (high, low or both: whose LoRA is trained) applies to two-expert models only."""
     if model not in ADAPTERS:
         raise UserError(f"unknown model {model!r}; choose one of: {', '.join(ADAPTERS)}")
+    if max_sequence_length is None:
+        max_sequence_length = default_max_sequence_length(model)
     extra = {}
     if num_frames is not None:
         if not ADAPTERS[model].video:
@@ -90,7 +143,8 @@ def load_adapter(model: str, model_path: str | None, device, dtype: torch.dtype,
         extra["condition_size"] = condition_size
     if train_experts is not None:
         if not getattr(ADAPTERS[model], "two_experts", False):
-            raise UserError(f"train_experts applies to two-expert models (wan2.2, wan2.2-i2v), not to {model}")
+            raise UserError(f"train_experts applies to two-expert models ({', '.join(TWO_EXPERT_MODELS)}), not to "
+                            f"{model}")
         extra["train_experts"] = train_experts
     path = resolve_model_path(model, model_path)
     return ADAPTERS[model](path, device, dtype, resolution, max_sequence_length, load_text_encoders, text_only,

@@ -19,6 +19,21 @@ def component_class_name(model_path: str, component: str) -> str | None:
     except (OSError, ValueError):
         return None
     return entry[1]
+
+
+def lora_metadata(transformer, adapter_name: str, layers: dict[str, torch.Tensor]) -> dict | None:
+    """The peft config of `transformer`'s (unwrapped) adapter, as a LoRA file's metadata. A LoRA that leaves out
+    `unused_modules` names exactly the file's `layers` as its targets: the loader injects LoRA where the file has
+    keys, and peft warns at a config that targets more layers or excludes none of them."""
+    config = getattr(transformer, "peft_config", {}).get(adapter_name)
+    if config is None:
+        return None
+    metadata = config.to_dict()
+    if metadata.get("exclude_modules"):
+        metadata.update(target_modules=sorted({key.split(".lora_")[0] for key in layers}), exclude_modules=None)
+    return metadata
+
+
 class AudioVideo:
     """What an audio-video model's `decode` returns: `video` (batch, F, 3, H, W) in [0, 1] and `audio`, waveforms
     (batch, channels, samples) at `sample_rate` Hz, both float32. It goes where other models' decoded images go
@@ -93,6 +108,19 @@ class _Adapter:
     # Why --sequence-parallel cannot split this model although its transformer has a plan (None: it can).
     sequence_parallel_refusal: str | None = None
     model_components: tuple[str, ...] = ("transformer", "vae")  # what text_only (preprocess.py) leaves unloaded
+    # Modules of a block, by their name inside it, that only feed the block's text stream: the last block's text
+    # stream is read by nothing when every block is dual-stream to the end (Qwen-Image, HunyuanVideo-1.5).
+    last_block_text_outputs: tuple[str, ...] = ()
+
+    def unused_modules(self, transformer) -> list[str]:
+        """Modules of `transformer` (unwrapped) whose output never reaches the model's output, so no gradient
+        reaches their weights; DDP stops at the first step on a trained weight without one, so LoRA leaves them out
+        and full fine-tuning freezes them. The last block's index is read off the loaded model, so the names hold for
+        the real checkpoint's depth as for the tiny model's."""
+        if not self.last_block_text_outputs:
+            return []
+        last = len(transformer.transformer_blocks) - 1
+        return [f"transformer_blocks.{last}.{name}" for name in self.last_block_text_outputs]
 
     def _load(self, model_path: str, device, dtype: torch.dtype, load_text_encoders: bool, text_only: bool,
               max_sequence_length: int) -> None:
@@ -204,13 +232,12 @@ class _Adapter:
         cache) together; else one line naming the first record that differs."""
         if self.condition_images[1] == 0:
             return
-        from PIL import Image
+        from common.data import condition_image_size
 
         first = None
         for record in records:
             for path in record.images:
-                with Image.open(path) as image:
-                    shape = self.condition_shape(*image.size)
+                shape = self.condition_shape(*condition_image_size(path))
                 if first is None:
                     first = (shape, record.source)
                 elif shape != first[0]:
@@ -248,6 +275,13 @@ class _Adapter:
         return True
 
     @staticmethod
+    def attention_pairs(tokens: int, queries: int, keys: int, attention_kwargs: dict) -> int:
+        """The query-key pairs one attention call of the transformer computes, for the FLOP count (common/flops.py):
+        `tokens` the input's, `queries` and `keys` as the count reads them off the call, whose keyword arguments are
+        `attention_kwargs`. Every query against every key; a model whose attention computes fewer says so here."""
+        return queries * keys
+
+    @staticmethod
     def _cfg_combine(out: torch.Tensor, guidance_scale: float) -> torch.Tensor:
         """True CFG on a [negative; positive] batch, as the pipelines combine it: v_neg + w·(v_pos − v_neg)."""
         uncond, text = out.chunk(2)
@@ -260,7 +294,6 @@ class _Adapter:
         LoRA trained with α ≠ r (e.g. r 64, α 128)."""
         import diffusers
 
-        peft_config = getattr(self.pipe.transformer, "peft_config", {}).get(adapter_name)  # the unwrapped module
         getattr(diffusers, self.pipeline_class_name).save_lora_weights(
             str(directory), transformer_lora_layers=lora_state_dict, safe_serialization=True,
-            transformer_lora_adapter_metadata=peft_config.to_dict() if peft_config is not None else None)
+            transformer_lora_adapter_metadata=lora_metadata(self.pipe.transformer, adapter_name, lora_state_dict))

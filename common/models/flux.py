@@ -1,9 +1,12 @@
 """FLUX.1 [dev]/[schnell] (`FluxPipeline`)."""
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
 from common.models.base import _Adapter
+from common.models.tiny_parts import TINY_SEED, tiny_clip_tokenizer, tiny_t5_tokenizer
 
 
 class FluxAdapter(_Adapter):
@@ -105,3 +108,48 @@ class FluxAdapter(_Adapter):
         latents = latents / self.vae.config.scaling_factor + (self.vae.config.shift_factor or 0.0)
         images = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
+def build_tiny_flux1(path: Path, pipeline_class: str = "FluxPipeline") -> None:
+    """FLUX.1-like; with pipeline_class="FluxKontextPipeline" the same components as FLUX.1 Kontext (which has
+    FLUX.1's architecture and configs: the condition tokens are only a longer image sequence)."""
+    import diffusers
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    tokenizer, tokenizer_2 = tiny_clip_tokenizer(), tiny_t5_tokenizer()
+    torch.manual_seed(TINY_SEED)
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, max_position_embeddings=77, projection_dim=32,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
+    text_encoder_2 = T5EncoderModel(
+        T5Config(vocab_size=len(tokenizer_2), d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
+                 relative_attention_num_buckets=8)
+    )
+    # Four blocks keep the VAE's 8x downsampling, as in the real model.
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=4,
+        down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+        block_out_channels=[8, 8, 8, 8], layers_per_block=1,
+        scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
+    )
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=4 * 4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    )
+    # FLUX.1-dev's scheduler config: resolution-dependent shift.
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096,
+    )
+    pipe = getattr(diffusers, pipeline_class)(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer,
+    )
+    pipe.save_pretrained(path, safe_serialization=True)

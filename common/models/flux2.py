@@ -1,11 +1,13 @@
 """FLUX.2 [dev] (`Flux2Pipeline`) and FLUX.2 [klein] (`Flux2KleinPipeline`)."""
 
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from common.models.base import _Adapter, component_class_name
+from common.models.tiny_parts import TINY_SEED, _byte_level_bpe, tiny_qwen2_tokenizer
 from common.utils import UserError
 
 
@@ -170,3 +172,110 @@ class Flux2KleinAdapter(Flux2Adapter):
 
     def _true_cfg(self, cond: dict[str, torch.Tensor], guidance_scale: float) -> bool:
         return not self.distilled and self._with_negatives(cond, guidance_scale)
+
+
+def tiny_mistral_tokenizer():
+    """A byte-level BPE tokenizer in Mistral's chat format ([SYSTEM_PROMPT]…[/SYSTEM_PROMPT][INST]…[/INST]) with
+    merges that make each word of FLUX.2's system message one token, so that the templated prefix is short as with
+    the real tokenizer. The real checkpoint wraps its tokenizer in a PixtralProcessor, which needs torchvision; the
+    text-to-image path calls only its `apply_chat_template`, which a tokenizer with the same template answers."""
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    vocab, merges = _byte_level_bpe([word for word, _ in pre_tokenizer.pre_tokenize_str(SYSTEM_MESSAGE)])
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizer, decoders.ByteLevel()
+    backend.add_special_tokens(["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
+                                "[/SYSTEM_PROMPT]", "[IMG]"])
+    # Message content is a list of {"type": "text", "text": ...} parts, as Flux2Pipeline formats it.
+    template = (
+        "{{ bos_token }}{% for m in messages %}"
+        "{% set text = m['content'] if m['content'] is string else "
+        "m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
+        "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+        "{% elif m['role'] == 'user' %}[INST]{{ text }}[/INST]{% else %}{{ text }}{{ eos_token }}{% endif %}"
+        "{% endfor %}")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>", model_max_length=2048, chat_template=template)
+
+
+def _tiny_flux2_vae():
+    """AutoencoderKLFlux2 with 8x downsampling; its batch norm over the 2x2-patchified latents gets non-trivial
+    running statistics, so that a missed (de)normalisation shows."""
+    from diffusers import AutoencoderKLFlux2
+
+    vae = AutoencoderKLFlux2(block_out_channels=(8, 8, 8, 8), layers_per_block=1, latent_channels=4,
+                             norm_num_groups=4)
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.linspace(-0.3, 0.3, vae.bn.num_features))
+        vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, vae.bn.num_features))
+    return vae
+
+
+def _tiny_flux2_transformer(guidance_embeds: bool):
+    """Flux2Transformer2DModel: one double- and one single-stream block, 4-axis RoPE, the text width 3 × the
+    tiny text encoder's hidden size (the pipelines stack three of its hidden layers)."""
+    from diffusers import Flux2Transformer2DModel
+
+    return Flux2Transformer2DModel(
+        patch_size=1, in_channels=4 * 4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=3 * 16, timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4), guidance_embeds=guidance_embeds)
+
+
+def _flux2_scheduler():
+    """FLUX.2's scheduler config: the pipeline passes its empirical μ, which the exponential time shift uses."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                           base_image_seq_len=256, max_image_seq_len=4096)
+
+
+def build_tiny_flux2(path: Path) -> None:
+    """FLUX.2 [dev]-like: a Mistral3 (Pixtral vision tower unused, 30 text layers so that the pipeline's hidden
+    layers 10, 20, 30 exist), the FLUX.2 VAE with its latent batch norm, a guidance-embedding Flux2 transformer."""
+    from diffusers import Flux2Pipeline
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    tokenizer = tiny_mistral_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids
+    torch.manual_seed(TINY_SEED)
+    text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config=dict(model_type="mistral", vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=30, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                         max_position_embeddings=2048, bos_token_id=ids("<s>"), eos_token_id=ids("</s>"),
+                         pad_token_id=ids("<pad>")),
+        vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, head_dim=8, image_size=32, patch_size=8),
+        image_token_index=ids("[IMG]")))
+    pipe = Flux2Pipeline(scheduler=_flux2_scheduler(), vae=_tiny_flux2_vae(), text_encoder=text_encoder,
+                         tokenizer=tokenizer, transformer=_tiny_flux2_transformer(guidance_embeds=True))
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
+def build_tiny_flux2_klein(path: Path) -> None:
+    """FLUX.2 [klein] base-like: a Qwen3 causal LM (27 layers: the pipeline stacks hidden layers 9, 18, 27) behind
+    Qwen3's chat template with thinking off, the FLUX.2 VAE, a Flux2 transformer without guidance embedding (the
+    base model runs true CFG), is_distilled False."""
+    from diffusers import Flux2KleinPipeline
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = tiny_qwen2_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"], special_tokens=True)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    ids = tokenizer.convert_tokens_to_ids
+    torch.manual_seed(TINY_SEED)
+    text_encoder = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=27,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=2048, rope_theta=1e6,
+        tie_word_embeddings=True, bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"),
+        pad_token_id=ids("<|endoftext|>")))
+    pipe = Flux2KleinPipeline(scheduler=_flux2_scheduler(), vae=_tiny_flux2_vae(), text_encoder=text_encoder,
+                              tokenizer=tokenizer, transformer=_tiny_flux2_transformer(guidance_embeds=False),
+                              is_distilled=False)
+    pipe.save_pretrained(path, safe_serialization=True)

@@ -7,11 +7,16 @@ condition latents, the mask and the image tokens are zeros (the transformer then
 image-to-video the condition latents hold the image's VAE latents in the first latent frame, the mask is 1 there, and
 the image tokens are SigLIP's last hidden state of the image."""
 
+import inspect
+from pathlib import Path
+
 import numpy as np
 import torch
 
 from common.checkpoint import LORA_FILE
-from common.models.base import FirstFrameConditioned, _Adapter
+from common.models.base import FirstFrameConditioned, _Adapter, lora_metadata
+from common.models.tiny_parts import (_QWEN_TEMPLATE_WORDS, TINY_SEED, _byte_level_bpe, _merge_into_single_tokens,
+                                      tiny_qwen2_tokenizer)
 from common.utils import UserError
 
 
@@ -38,6 +43,8 @@ class HunyuanVideo15Adapter(_Adapter):
     model_components = ("transformer",)
     # Attention of both streams (the dual-stream blocks and the text token refiner), as Wan's and Qwen-Image's targets.
     lora_target_modules = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+    # HunyuanVideo15Transformer3DModel projects only the video stream out of its last block
+    last_block_text_outputs = ("attn.to_add_out", "ff_context")
     text_inputs = {"prompt_embeds": "encoder_hidden_states", "prompt_embeds_mask": "encoder_attention_mask",
                    "prompt_embeds_2": "encoder_hidden_states_2", "prompt_embeds_mask_2": "encoder_attention_mask_2"}
 
@@ -154,9 +161,8 @@ class HunyuanVideo15Adapter(_Adapter):
         prefix="transformer", weight_name="pytorch_lora_weights.safetensors")`."""
         from diffusers.loaders.lora_base import LoraBaseMixin
 
-        peft_config = getattr(self.pipe.transformer, "peft_config", {}).get(adapter_name)
-        LoraBaseMixin._save_lora_weights(str(directory), {"transformer": lora_state_dict},
-                                         {"transformer": peft_config.to_dict() if peft_config is not None else None},
+        metadata = lora_metadata(self.pipe.transformer, adapter_name, lora_state_dict)
+        LoraBaseMixin._save_lora_weights(str(directory), {"transformer": lora_state_dict}, {"transformer": metadata},
                                          weight_name=LORA_FILE)
 
 
@@ -215,3 +221,90 @@ class HunyuanVideo15ImageToVideoAdapter(FirstFrameConditioned, HunyuanVideo15Ada
 
     def _condition(self, latents: torch.Tensor, cond: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return cond["image_condition"].to(latents.dtype), cond["image_embeds"]
+
+
+# Qwen2.5's chat template, as HunyuanVideo15Pipeline formats each prompt (a system turn, the user turn, the generation
+# prompt), without the tool and vision branches the text-to-video path never reaches.
+_QWEN25_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _tiny_hunyuan_video15_components():
+    """HunyuanVideo-1.5's text side and VAE at tiny width: a 3-layer Qwen2.5-VL text model (the pipeline reads its
+    third-to-last hidden state) behind Qwen2.5's chat template, whose byte-level tokenizer makes each word of the
+    pipeline's system prompt one token (as the real vocabulary does for most of them); ByT5 (the real byte tokenizer,
+    which needs no files) with a 2-layer T5 encoder for the quoted glyph text; the 16× spatial, 4× temporal
+    AutoencoderKLHunyuanVideo15 with 4 latent channels; FlowMatchEuler at the 480p models' flow shift 5."""
+    from diffusers import AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
+    from transformers import (ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, Qwen2Tokenizer, T5Config,
+                              T5EncoderModel)
+
+    # The pipeline's system prompt: its encoder's default argument (the pipeline sets the same text in __init__).
+    system = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters["system_message"].default
+    base = tiny_qwen2_tokenizer()
+    vocab, merges = _byte_level_bpe(_QWEN_TEMPLATE_WORDS)
+    _merge_into_single_tokens(vocab, merges, [w for text in (system, "system user assistant")
+                                              for w, _ in base.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)])
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    for token in specials:
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, additional_special_tokens=specials[1:],
+                               model_max_length=4096)
+    tokenizer.chat_template = _QWEN25_CHAT_TEMPLATE
+    ids = tokenizer.convert_tokens_to_ids
+    torch.manual_seed(TINY_SEED)
+    text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=4096, rope_theta=1e6,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>")))
+    tokenizer_2 = ByT5Tokenizer()
+    text_encoder_2 = T5EncoderModel(T5Config(vocab_size=len(tokenizer_2), d_model=16, d_ff=32, d_kv=8, num_heads=2,
+                                             num_layers=2, relative_attention_num_buckets=8))
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1,
+                                      spatial_compression_ratio=16, temporal_compression_ratio=4)
+    return dict(text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2,
+                tokenizer_2=tokenizer_2, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0))
+
+
+def build_tiny_hunyuan_video15(path: Path) -> None:
+    """HunyuanVideo-1.5 480p T2V-like: `_tiny_hunyuan_video15_components` and a 1-block HunyuanVideo-1.5 DiT (one
+    token-refiner layer) that takes [noise, condition latents, mask] (in_channels = 2·4 + 1, as the real 65 = 2·32 + 1)
+    and the three context streams (Qwen text, ByT5 glyphs, SigLIP-width image tokens, all zero for text-to-video),
+    and the pipeline's ClassifierFreeGuidance at the published scale 6."""
+    from diffusers import ClassifierFreeGuidance, HunyuanVideo15Pipeline
+
+    components = _tiny_hunyuan_video15_components()
+    pipe = HunyuanVideo15Pipeline(transformer=_tiny_hunyuan_video15_transformer("t2v"),
+                                  guider=ClassifierFreeGuidance(guidance_scale=6.0), **components)
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
+def build_tiny_hunyuan_video15_i2v(path: Path) -> None:
+    """HunyuanVideo-1.5 480p I2V-like: the T2V tiny's components and transformer config (task_type i2v), and a
+    1-layer SigLIP vision tower (32 px in 8 px patches: 16 image tokens; the real 384 px in 14 px patches gives 729)
+    whose width is the transformer's image_embed_dim, with SigLIP's own preprocessing at 32 px."""
+    from diffusers import ClassifierFreeGuidance, HunyuanVideo15ImageToVideoPipeline
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    components = _tiny_hunyuan_video15_components()
+    image_encoder = SiglipVisionModel(SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                         num_attention_heads=2, image_size=32, patch_size=8))
+    pipe = HunyuanVideo15ImageToVideoPipeline(
+        transformer=_tiny_hunyuan_video15_transformer("i2v"), guider=ClassifierFreeGuidance(guidance_scale=6.0),
+        image_encoder=image_encoder, feature_extractor=SiglipImageProcessor(size={"height": 32, "width": 32}),
+        **components)
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
+def _tiny_hunyuan_video15_transformer(task_type: str):
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    # head_dim 16 = sum(rope_axes_dim), as 128 = 16 + 56 + 56; target_size 32: the I2V bucket of a square image
+    return HunyuanVideo15Transformer3DModel(
+        in_channels=2 * 4 + 1, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=1,
+        num_refiner_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1, text_embed_dim=32, text_embed_2_dim=16,
+        image_embed_dim=16, rope_axes_dim=(4, 6, 6), target_size=32, task_type=task_type)

@@ -2,9 +2,11 @@
 are appended to the target's image tokens (position ids with axis 0 set to 1), the transformer's output is cut
 back to the target's tokens, and the σ shift comes from the target's token count alone, as in the pipeline."""
 
+from pathlib import Path
+
 import torch
 
-from common.models.flux import FluxAdapter
+from common.models.flux import FluxAdapter, build_tiny_flux1
 from common.utils import UserError
 
 
@@ -57,3 +59,7 @@ class FluxKontextAdapter(FluxAdapter):
         """Target tokens, then the condition's (every row of a batch has a condition of one shape)."""
         condition = cond["image_latents"].to(latents.dtype)
         return torch.cat([latents, condition], dim=1), torch.cat([self.image_ids, cond["image_ids"][0].to(self.dtype)])
+
+
+def build_tiny_flux1_kontext(path: Path) -> None:
+    build_tiny_flux1(path, "FluxKontextPipeline")

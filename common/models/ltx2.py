@@ -2,10 +2,13 @@
 at one σ; the adapter presents the pair as ONE latent tensor, so that the SDE steps, log-probs and every script treat
 it as any other model's latents."""
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
 from common.models.base import AudioVideo, FirstFrameConditioned, _Adapter
+from common.models.tiny_parts import TINY_SEED, _characters
 from common.utils import UserError
 
 
@@ -46,6 +49,11 @@ class LTX2Adapter(_Adapter):
     # The transformer's FSDP2 units. LTX2VideoTransformer3DModel names no _no_split_modules, which accelerate's
     # auto-wrap reads when the config names no classes (configs/fsdp2.yaml): the adapter sets it.
     no_split_modules = ["LTX2VideoTransformerBlock"]
+    # LTX-2.0's reference modulates each stream's audio-video cross-attention (scale, shift and gate) by its own
+    # timesteps (Lightricks/LTX-2 as released, packages/ltx-core/src/ltx_core/model/transformer/transformer_args.py,
+    # MultiModalTransformerArgsPreprocessor.prepare): diffusers' use_cross_timestep=False. True, the pipelines'
+    # default, is the LTX-2.3 behaviour; the two differ only where a stream's timesteps vary by token (I2V).
+    use_cross_timestep = False
 
     def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
                  max_sequence_length: int = 1024, load_text_encoders: bool = True, text_only: bool = False,
@@ -179,7 +187,8 @@ class LTX2Adapter(_Adapter):
                 encoder_hidden_states=embeds.to(self.dtype), audio_encoder_hidden_states=audio_embeds.to(self.dtype),
                 timestep=video_timestep, audio_timestep=timestep, sigma=timestep, encoder_attention_mask=mask,
                 audio_encoder_attention_mask=mask, num_frames=frames, height=height, width=width, fps=self.frame_rate,
-                audio_num_frames=self.audio_frames, use_cross_timestep=True, return_dict=False)
+                audio_num_frames=self.audio_frames, use_cross_timestep=self.use_cross_timestep,
+                return_dict=False)
         out_video, out_audio = out_video[:, self.condition_tokens:].float(), out_audio.float()
         if cfg:
             out_video, out_audio = self._cfg_combine(out_video, video_scale), self._cfg_combine(out_audio, audio_scale)
@@ -262,3 +271,79 @@ class LTX2ImageToVideoAdapter(FirstFrameConditioned, LTX2Adapter):
             latents = pipe._normalize_latents(latents, vae.latents_mean, vae.latents_std)
             rows.append(pipe._pack_latents(latents, patch, 1))
         return {**cond, "image_latents": torch.cat(rows)}
+
+
+def tiny_gemma_tokenizer(max_length: int = 1024):
+    """A Gemma (SentencePiece-style BPE) tokenizer over single characters, with a merge of "▁" and each character
+    (a word-initial character is one token), Gemma's special tokens and its left padding."""
+    from transformers import GemmaTokenizer
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<image_soft_token>", "<start_of_image>",
+                "<end_of_image>"]
+    pieces = specials + ["▁"] + _characters() + ["▁" + c for c in _characters()]
+    return GemmaTokenizer(vocab={piece: i for i, piece in enumerate(pieces)},
+                          merges=[("▁", c) for c in _characters()], model_max_length=max_length)
+
+
+def build_tiny_ltx2(path: Path) -> None:
+    """LTX-2-like: a 2-layer Gemma 3 (Gemma3ForConditionalGeneration, its SigLIP tower one layer, unused for text),
+    the LTX-2.0 text connectors (one shared projection of the stacked hidden states, one connector layer per
+    stream), the audio-video transformer with both streams and their cross-attention, the LTX-2 video VAE (a 2×2
+    pixel patchify and one spatio-temporal block: 4× spatial, 2× temporal; the real one is 32×, 8×) with non-trivial
+    latent statistics, the audio VAE (stereo mel spectrogram latents) and the vocoder, and the LTX-Video family's
+    scheduler config (μ shift fitted between 1024 and 4096 tokens, terminal σ stretched to 0.1)."""
+    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
+                           LTX2Pipeline, LTX2VideoTransformer3DModel)
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    tokenizer = tiny_gemma_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids
+    torch.manual_seed(TINY_SEED)
+    text_encoder = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024,
+                         sliding_window=16, pad_token_id=ids("<pad>"), eos_token_id=ids("<eos>"),
+                         bos_token_id=ids("<bos>")),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=ids("<image_soft_token>"), boi_token_index=ids("<start_of_image>"),
+        eoi_token_index=ids("<end_of_image>")))
+    connectors = LTX2TextConnectors(
+        caption_channels=16, text_proj_in_factor=3,  # 2 layers + the embeddings, stacked
+        video_connector_num_attention_heads=2, video_connector_attention_head_dim=8, video_connector_num_layers=1,
+        video_connector_num_learnable_registers=None, audio_connector_num_attention_heads=2,
+        audio_connector_attention_head_dim=8, audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=None, connector_rope_base_seq_len=32, rope_double_precision=False,
+        rope_type="split")
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
+        cross_attention_dim=16, audio_in_channels=2 * 2, audio_out_channels=2 * 2, audio_num_attention_heads=2,
+        audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2, caption_channels=16,
+        rope_double_precision=False, rope_type="split")
+    vae = AutoencoderKLLTX2Video(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,), decoder_block_out_channels=(8,),
+        layers_per_block=(1,), decoder_layers_per_block=(1, 1), spatio_temporal_scaling=(True,),
+        decoder_spatio_temporal_scaling=(True,), decoder_inject_noise=(False, False),
+        downsample_type=("spatiotemporal",), upsample_residual=(False,), upsample_factor=(1,),
+        timestep_conditioning=False, patch_size=2, patch_size_t=1, encoder_causal=True, decoder_causal=False)
+    audio_vae = AutoencoderKLLTX2Audio(
+        base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None, in_channels=2,
+        resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height", dropout=0.0,
+        mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=8)
+    with torch.no_grad():  # latent statistics that are not 0 and 1, so that a missed (de)normalisation shows
+        vae.latents_mean.copy_(torch.tensor([0.1, -0.2, 0.3, 0.0]))
+        vae.latents_std.copy_(torch.tensor([1.5, 2.0, 2.5, 1.0]))
+        audio_vae.latents_mean.copy_(torch.linspace(-0.2, 0.2, len(audio_vae.latents_mean)))
+        audio_vae.latents_std.copy_(torch.linspace(0.8, 1.6, len(audio_vae.latents_std)))
+    vocoder = LTX2Vocoder(
+        in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4], upsample_factors=[2, 2],
+        resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]], leaky_relu_negative_slope=0.1,
+        output_sampling_rate=16000)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
+        max_image_seq_len=4096, shift_terminal=0.1)
+    pipe = LTX2Pipeline(scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder,
+                        tokenizer=tokenizer, connectors=connectors, transformer=transformer, vocoder=vocoder)
+    pipe.save_pretrained(path, safe_serialization=True)

@@ -1,9 +1,12 @@
 """Qwen-Image (`QwenImagePipeline`)."""
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
 from common.models.base import _Adapter
+from common.models.tiny_parts import TINY_SEED, tiny_qwen2_tokenizer
 from common.utils import UserError
 
 
@@ -27,6 +30,8 @@ class QwenImageAdapter(_Adapter):
         "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
         "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
     ]
+    # QwenImageTransformer2DModel projects only the image stream out of its last block
+    last_block_text_outputs = ("attn.to_add_out", "txt_mlp")
 
     def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
                  max_sequence_length: int = 512, load_text_encoders: bool = True, text_only: bool = False):
@@ -116,3 +121,65 @@ class QwenImageAdapter(_Adapter):
         inv_std = 1.0 / torch.tensor(self.vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
         images = self.vae.decode(latents / inv_std + mean, return_dict=False)[0][:, :, 0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
+def _tiny_qwen_vl(tokenizer):
+    """A 2-layer Qwen2.5-VL with a 1-block vision tower (the real tower's 14-pixel patches and 2×2 merge)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = tokenizer.convert_tokens_to_ids
+    return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, rope_theta=1e6,
+            # mrope_section sums to head_dim / 2 = 8 (temporal, height, width rotary frequencies)
+            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+            bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+        ),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           fullatt_block_indexes=[0]),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+    ))
+
+
+def _tiny_qwen_vae():
+    from diffusers import AutoencoderKLQwenImage
+
+    return AutoencoderKLQwenImage(
+        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 2.5, 1.0],
+    )
+
+
+def _tiny_qwen_transformer(**extra):
+    from diffusers import QwenImageTransformer2DModel
+
+    return QwenImageTransformer2DModel(
+        patch_size=2, in_channels=4 * 4, out_channels=4, num_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6), **extra,
+    )
+
+
+def _qwen_image_scheduler():
+    """Qwen-Image's scheduler config: exponential resolution-dependent shift, last σ stretched to 0.02."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
+        max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+    )
+
+
+def build_tiny_qwen_image(path: Path) -> None:
+    """Qwen-Image-like: a 2-layer Qwen2.5-VL (with a 1-block vision tower, never used for text-to-image), the
+    QwenImage MMDiT, the Wan-style 3D VAE with 8x downsampling and the real scheduler config."""
+    from diffusers import QwenImagePipeline
+
+    tokenizer = tiny_qwen2_tokenizer()
+    torch.manual_seed(TINY_SEED)
+    text_encoder = _tiny_qwen_vl(tokenizer)
+    vae, transformer = _tiny_qwen_vae(), _tiny_qwen_transformer()
+    pipe = QwenImagePipeline(scheduler=_qwen_image_scheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                             transformer=transformer)
+    pipe.save_pretrained(path, safe_serialization=True)

@@ -5,9 +5,13 @@ as "<imageK><vision tokens>" before the prompt) and as VAE latents that the tran
 tokens (each vision token stands for 2×2 latent tokens), so the condition tokens sit inside the text sequence and
 the target's tokens follow it."""
 
+from pathlib import Path
+
 import torch
 
-from common.models.qwen_image_edit import QwenImageEditAdapter
+from common.models.qwen_image import _qwen_image_scheduler
+from common.models.qwen_image_edit import QwenImageEditAdapter, _image_only_processor
+from common.models.tiny_parts import TINY_SEED, _qwen2_tokenizer_with_words
 from common.utils import UserError
 
 
@@ -46,6 +50,17 @@ class QwenImage21Adapter(QwenImageEditAdapter):
     text_components = ("text_encoder",)
     # Every linear layer of the single-stream blocks: attention and the SwiGLU feed-forward.
     lora_target_modules = ["to_q", "to_k", "to_v", "to_out.0", "img_mlp.proj", "img_mlp.gate_layer", "img_mlp.out"]
+    last_block_text_outputs = ()  # single-stream blocks: every output is read
+
+    @staticmethod
+    def attention_pairs(tokens: int, queries: int, keys: int, attention_kwargs: dict) -> int:
+        """The block-causal prefill is computed per segment (one attention call each): each prefix segment of text or
+        a condition image against the keys up to its end, the target's tokens against all."""
+        segments = attention_kwargs.get("segments")
+        if segments is None:
+            return queries * keys
+        prefix = segments[-1][1] if segments else 0
+        return sum((end - start) * end for start, end, _ in segments) + (tokens - prefix) * tokens
 
     def __init__(self, model_path: str, device, dtype: torch.dtype, resolution: int,
                  max_sequence_length: int = 512, load_text_encoders: bool = True, text_only: bool = False,
@@ -79,11 +94,10 @@ class QwenImage21Adapter(QwenImageEditAdapter):
     def check_condition_shapes(self, records) -> None:
         super().check_condition_shapes(records)
         if self.text_encoders:  # else a cache holds the encodings already
-            from PIL import Image
+            from common.data import condition_image_size
 
             for path in {path for record in records for path in record.images}:
-                with Image.open(path) as image:
-                    self._check_vision_tokens(*image.size)
+                self._check_vision_tokens(*condition_image_size(path))
 
     def _framing(self, count: int) -> int:
         """Tokens the chat template adds around `count` condition images, their vision tokens aside."""
@@ -186,3 +200,66 @@ class QwenImage21Adapter(QwenImageEditAdapter):
             alpha = images[:, 3:]
             images = images[:, :3] * alpha + (1 - alpha)
         return images
+
+
+# Qwen3-VL's chat template for messages whose content is a list of parts, as QwenImage21Pipeline passes them
+# (it applies the template to its system message to count the tokens it drops).
+_QWEN3_VL_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{ message['content'] }}{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{ part['text'] }}"
+    "{%- elif part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{%- endif %}"
+    "{%- endfor %}{%- endif %}{{ '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def build_tiny_qwen_image21(path: Path) -> None:
+    """Qwen-Image-2.1-like: a 2-layer Qwen3-VL whose 1-block vision tower has the real 16-pixel patches and 2×2
+    merge (one vision token per 32×32 pixels = 2×2 latent tokens, the slots the transformer fills with condition
+    latents) behind the slow Qwen2VL image processor in an image-only processor (`_image_only_processor`), the
+    RGBA Qwen-Image-2.1 VAE (4 channels in and out, 16× spatial: five levels), the single-stream block-causal
+    transformer with causal_condition, and Qwen-Image's scheduler config (2.1's is not published apart from the
+    checkpoint; its README: flow-matching Euler with dynamic shifting). The tokenizer makes each word of the
+    pipeline's system prompt one token, as the real vocabulary does."""
+    from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline, QwenImage21Transformer2DModel
+    from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    torch.manual_seed(TINY_SEED)
+    z_dim = 8
+    vae = AutoencoderKLQwenImage21(
+        base_dim=8, decoder_base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=1,
+        temperal_downsample=[False, True, True, True], in_channels=4, out_channels=4,
+        latents_mean=[0.1, -0.2, 0.3, 0.0, 0.2, -0.1, 0.0, 0.1], latents_std=[1.5, 2.0, 2.5, 1.0, 1.2, 1.8, 2.2, 1.4],
+    )
+    # head_dim 16 = sum(axes_dims_rope); context_in_dim = the text encoder's width.
+    transformer = QwenImage21Transformer2DModel(
+        patch_size=1, in_channels=z_dim, out_channels=z_dim, num_layers=2, attention_head_dim=16,
+        num_attention_heads=2, context_in_dim=32, mlp_ratio=3, axes_dims_rope=(4, 6, 6), causal_condition=True,
+    )
+    system = "Comprehend and analyze the provided prompt."  # QwenImage21Pipeline.sys_prompt
+    tokenizer = _qwen2_tokenizer_with_words(f"system\n{system}\nuser\n assistant\n<image1>")
+    ids = tokenizer.convert_tokens_to_ids
+    text_encoder = Qwen3VLForConditionalGeneration(Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
+            # mrope_section sums to head_dim / 2 = 8 (temporal, height, width rotary frequencies)
+            rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 3, 3],
+                             "mrope_interleaved": True},
+            bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+        ),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                           deepstack_visual_indexes=[0]),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+    ))
+    # Qwen3-VL's image processor settings (16-pixel patches, mean = std = 0.5), 1 to 64 vision tokens per image.
+    image_processor = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
+                                               image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                                               min_pixels=32 * 32, max_pixels=64 * 32 * 32)
+    processor = _image_only_processor(image_processor, tokenizer, _QWEN3_VL_CHAT_TEMPLATE)
+    pipe = QwenImage21Pipeline(scheduler=_qwen_image_scheduler(), vae=vae, text_encoder=text_encoder,
+                               processor=processor, transformer=transformer)
+    pipe.save_pretrained(path, safe_serialization=True)

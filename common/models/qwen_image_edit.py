@@ -4,10 +4,14 @@ is seen twice, as in the pipeline: by the Qwen2.5-VL text encoder (at about 384�
 1024×1024); the transformer's output is cut back to the target's tokens. 2511's zero_cond_t (condition tokens
 modulated at t = 0) is the transformer's own business: it reads the per-image `img_shapes` passed here."""
 
+from pathlib import Path
+
 import torch
 
 from common.models.base import component_class_name
-from common.models.qwen_image import QwenImageAdapter
+from common.models.qwen_image import (QwenImageAdapter, _qwen_image_scheduler, _tiny_qwen_transformer, _tiny_qwen_vae,
+                                      _tiny_qwen_vl)
+from common.models.tiny_parts import TINY_SEED, _qwen2_tokenizer_with_words
 from common.utils import UserError
 
 # How `QwenImageEditPlusPipeline._get_qwen_prompt_embeds` introduces each condition image to the text encoder
@@ -19,7 +23,7 @@ PICTURE_FRAMING = "Picture {}: <|vision_start|><|vision_end|>"
 def processor_needs_torchvision(model_path: str) -> bool:
     """Whether the VL processor the pipeline at `model_path` names cannot be built here: transformers 5 gives
     Qwen2VLProcessor and Qwen3VLProcessor a video processor, which needs torchvision, although the editing pipelines
-    feed them images only. (The tiny pipelines save an image-only processor: common/tiny.py.)"""
+    feed them images only. (The tiny pipelines save an image-only processor: `build_tiny_qwen_image_edit` below.)"""
     import transformers
     from transformers.utils import is_torchvision_available
 
@@ -106,15 +110,14 @@ class QwenImageEditAdapter(QwenImageAdapter):
         and one vision-token count (the embedding rows' length): the processor can give images of one VAE size
         different counts. One line naming the first record that differs."""
         super().check_condition_shapes(records)
-        from PIL import Image
+        from common.data import condition_image_size
 
         first = None
         for record in records:
             tokens = []
             if self.text_encoders:  # else a cache holds the embeddings already
                 for path in record.images:
-                    with Image.open(path) as image:
-                        tokens.append(self._vision_tokens(*image.size))
+                    tokens.append(self._vision_tokens(*condition_image_size(path)))
             shape = (len(record.images), set(tokens))
             if first is None:
                 first = (shape, record.source)
@@ -186,3 +189,41 @@ class QwenImageEditAdapter(QwenImageAdapter):
             return (out[:, :hidden_states.shape[1]],)
 
         return super().velocity(latents, sigma, cond, guidance_scale, transformer=with_conditions)
+
+
+def _image_only_processor(image_processor, tokenizer, chat_template: str | None = None):
+    """The VL processor of the tiny Qwen editing pipelines: transformers' `PaddleOCRVLProcessor`, which does for
+    images and text what Qwen2VLProcessor and Qwen3VLProcessor do (each <|image_pad|> becomes
+    image_grid_thw.prod() / merge_size² copies; the image processor's pixel_values and grids) but has no video
+    processor: transformers 5 builds theirs only with torchvision, which has no CPU wheel beside this project's
+    torch, and the pipelines never feed videos. tests/test_qwen_image21.py checks the equality on the tiny models.
+    With the slow (PIL) Qwen2VL image processor nothing of it needs torchvision."""
+    from transformers import PaddleOCRVLProcessor
+
+    return PaddleOCRVLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
+
+
+def build_tiny_qwen_image_edit(path: Path) -> None:
+    """Qwen-Image-Edit-2511-like: `build_tiny_qwen_image`'s 2-layer Qwen2.5-VL, whose 1-block vision tower now sees the
+    condition images through the slow Qwen2VL image processor (4 to 16 vision tokens per image) in an image-only
+    processor (`_image_only_processor`), the QwenImage VAE, scheduler and MMDiT, the latter with 2511's zero_cond_t
+    (condition tokens modulated at t = 0). The tokenizer is `tiny_qwen2_tokenizer` plus merges that make each word
+    of the Edit pipeline's chat-template prefix and of "Picture 1: " one token, as the real vocabulary does, so
+    that the prefix the pipeline drops (`prompt_template_encode_start_idx` = 64 tokens) is exactly the system
+    prompt + "user\n"."""
+    from diffusers import QwenImageEditPlusPipeline
+    from transformers import Qwen2VLImageProcessorPil
+
+    torch.manual_seed(TINY_SEED)
+    vae, transformer = _tiny_qwen_vae(), _tiny_qwen_transformer(zero_cond_t=True)
+    scheduler = _qwen_image_scheduler()
+    # The pipeline first without its text side: its own chat template says which words the tokenizer needs.
+    pipe = QwenImageEditPlusPipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, processor=None,
+                                     transformer=transformer)
+    tokenizer = _qwen2_tokenizer_with_words(pipe.prompt_template_encode.split("{}")[0] + "Picture 1: ")
+    text_encoder = _tiny_qwen_vl(tokenizer)
+    # 28 = patch 14 x merge 2: one image token per 28x28 pixels, 4 to 16 tokens per image.
+    processor = _image_only_processor(Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28),
+                                      tokenizer)
+    pipe.register_modules(text_encoder=text_encoder, tokenizer=tokenizer, processor=processor)
+    pipe.save_pretrained(path, safe_serialization=True)

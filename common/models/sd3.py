@@ -1,8 +1,11 @@
 """Stable Diffusion 3 / 3.5 (`StableDiffusion3Pipeline`)."""
 
+from pathlib import Path
+
 import torch
 
 from common.models.base import _Adapter
+from common.models.tiny_parts import TINY_SEED, _tiny_sd3_vae, tiny_clip_tokenizer, tiny_t5_tokenizer
 
 
 class SD3Adapter(_Adapter):
@@ -92,3 +95,43 @@ class SD3Adapter(_Adapter):
         latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
         images = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
+def build_tiny_sd3(path: Path) -> None:
+    """SD3.5-Medium-like: two CLIP-with-projection encoders + T5, an MMDiT with RMS qk-norm and one
+    dual-attention block, the static-shift-3 scheduler of the real checkpoint."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    tokenizer, tokenizer_2, tokenizer_3 = tiny_clip_tokenizer(), tiny_clip_tokenizer(), tiny_t5_tokenizer()
+    torch.manual_seed(TINY_SEED)
+
+    def clip(hidden: int, projection: int):
+        return CLIPTextModelWithProjection(CLIPTextConfig(
+            vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+            num_attention_heads=2, max_position_embeddings=77, projection_dim=projection,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ))
+
+    # The two CLIP hidden sizes (16 + 16) are zero-padded up to the T5 width (32) and concatenated along the
+    # sequence; the pooled vector is both CLIP projections side by side (16 + 16 = pooled_projection_dim).
+    text_encoder, text_encoder_2 = clip(16, 16), clip(16, 16)
+    text_encoder_3 = T5EncoderModel(
+        T5Config(vocab_size=len(tokenizer_3), d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
+                 relative_attention_num_buckets=8)
+    )
+    vae = _tiny_sd3_vae(4, scaling_factor=1.5305, shift_factor=0.0609)
+    # pos_embed_max_size x patch_size x 8 = 256: the largest resolution this tiny model takes.
+    transformer = SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
+        num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32,
+        pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm",
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)  # SD3.5's scheduler config
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=scheduler, vae=vae,
+        text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+        text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3,
+    )
+    pipe.save_pretrained(path, safe_serialization=True)

@@ -1,8 +1,11 @@
 """Wan2.1 text-to-video (`WanPipeline`)."""
 
+from pathlib import Path
+
 import torch
 
 from common.models.base import _Adapter
+from common.models.tiny_parts import TINY_SEED, tiny_t5_tokenizer
 from common.utils import UserError
 
 
@@ -126,3 +129,36 @@ class WanAdapter(_Adapter):
         inv_std = 1.0 / torch.tensor(self.vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
         video = self.vae.decode(latents / inv_std + mean, return_dict=False)[0]  # (batch, 3, F, H, W)
         return (video.float().permute(0, 2, 1, 3, 4) / 2 + 0.5).clamp(0, 1)
+
+
+def build_tiny_wan(path: Path) -> None:
+    """Wan2.1-T2V-like: UMT5 encoder, the Wan 3D causal VAE (8x spatial, 4x temporal), the Wan DiT and the
+    real checkpoint's UniPC flow scheduler (flow_shift 3)."""
+    from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tokenizer = tiny_t5_tokenizer(max_length=512)
+    torch.manual_seed(TINY_SEED)
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(vocab_size=len(tokenizer), d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
+                   relative_attention_num_buckets=8)
+    )
+    vae = _tiny_wan_vae()
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+        text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=64,
+    )
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae,
+                       scheduler=scheduler)
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
+def _tiny_wan_vae():
+    """The Wan2.1 3D causal VAE (8x spatial, 4x temporal) with 4 latent channels and non-trivial statistics."""
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(
+        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 2.5, 1.0],
+    )

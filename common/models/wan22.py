@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from common.checkpoint import LORA_FILE_2
-from common.models.wan import WanAdapter
+from common.models.tiny_parts import TINY_SEED, tiny_t5_tokenizer
+from common.models.wan import WanAdapter, _tiny_wan_vae
 from common.models.wan_i2v import WanImageToVideoAdapter
 from common.parallel import sequence_parallel_degree
 from common.utils import UserError
@@ -236,3 +237,77 @@ class Wan22TI2VAdapter(WanAdapter):
         (its mask `[:, ::2, ::2]`: one entry per 2×2 patch); per sample, so each row may carry its own σ."""
         tokens = latents[0, 0, :, ::2, ::2].numel()
         return self._timestep(sigma).float()[:, None].expand(-1, tokens)
+
+
+def _tiny_umt5(tokenizer):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    return UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=32, d_ff=64, d_kv=8, num_heads=4,
+                                       num_layers=2, relative_attention_num_buckets=8))
+
+
+def build_tiny_wan22(path: Path) -> None:
+    """Wan2.2-T2V-A14B-like: `build_tiny_wan`'s UMT5 and Wan2.1 VAE, two transformers of one config (the high-noise
+    `transformer` and the low-noise `transformer_2`, initialised differently) and the real pipeline's
+    boundary_ratio 0.875; the UniPC flow schedule at shift 3 puts steps on both sides of the boundary."""
+    from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+    tokenizer = tiny_t5_tokenizer(max_length=512)
+    torch.manual_seed(TINY_SEED)
+    text_encoder = _tiny_umt5(tokenizer)
+    vae = _tiny_wan_vae()
+    experts = [WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+        text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=64,
+    ) for _ in range(2)]
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=experts[0],
+                       transformer_2=experts[1], vae=vae, scheduler=scheduler, boundary_ratio=0.875)
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
+def build_tiny_wan22_5b(path: Path) -> None:
+    """Wan2.2-TI2V-5B-like: UMT5, the Wan2.2 VAE (residual up/down blocks, a 2×2 pixel patchify: 16× spatial, 4×
+    temporal; its latent channels scaled from 48 to 8), one transformer taking per-token timesteps, and the
+    pipeline's expand_timesteps; UniPC flow schedule at the real checkpoint's shift 5."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+    tokenizer = tiny_t5_tokenizer(max_length=512)
+    torch.manual_seed(TINY_SEED)
+    text_encoder = _tiny_umt5(tokenizer)
+    vae = AutoencoderKLWan(
+        base_dim=8, decoder_base_dim=8, z_dim=8, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+        temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+        scale_factor_spatial=16, scale_factor_temporal=4,
+        latents_mean=[0.1, -0.2, 0.3, 0.0, 0.05, -0.1, 0.2, 0.0], latents_std=[1.5, 2.0, 2.5, 1.0, 1.2, 0.8, 1.1, 1.3],
+    )
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=8, out_channels=8,
+        text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=64,
+    )
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae,
+                       scheduler=scheduler, expand_timesteps=True)
+    pipe.save_pretrained(path, safe_serialization=True)
+
+
+def build_tiny_wan22_i2v(path: Path) -> None:
+    """Wan2.2-I2V-A14B-like: `build_tiny_wan`'s UMT5 and VAE, no CLIP image encoder, two transformers of one config
+    without an image projection that take the noise, the first-frame mask (4) and the condition latents
+    (in_channels = 2·z_dim + 4, as the real 36 = 2·16 + 4), the A14B I2V boundary 0.9 and sample shift 5 (Wan2.2's
+    wan/configs/wan_i2v_A14B.py) as boundary_ratio and UniPC flow shift: 4 steps put two timesteps on each side of
+    the boundary (999, 937 | 833, 625)."""
+    from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+
+    tokenizer = tiny_t5_tokenizer(max_length=512)
+    torch.manual_seed(TINY_SEED)
+    text_encoder = _tiny_umt5(tokenizer)
+    vae = _tiny_wan_vae()
+    experts = [WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=2 * 4 + 4, out_channels=4,
+        text_dim=32, freq_dim=32, ffn_dim=32, num_layers=1, rope_max_seq_len=64,
+    ) for _ in range(2)]
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
+    pipe = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=experts[0],
+                                   transformer_2=experts[1], vae=vae, scheduler=scheduler, boundary_ratio=0.9)
+    pipe.save_pretrained(path, safe_serialization=True)

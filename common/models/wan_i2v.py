@@ -3,10 +3,13 @@ join the text as extra cross-attention tokens, and its VAE latents (the first fr
 a first-frame mask are concatenated to the noisy latents along channels, as the pipeline does. Wan2.2 I2V A14B
 (common/models/wan22.py) adds its two experts to this condition, without the CLIP tokens."""
 
+from pathlib import Path
+
 import torch
 
 from common.models.base import FirstFrameConditioned
-from common.models.wan import WanAdapter
+from common.models.tiny_parts import TINY_SEED, tiny_t5_tokenizer
+from common.models.wan import WanAdapter, _tiny_wan_vae
 from common.utils import UserError
 
 
@@ -148,3 +151,38 @@ class WanImageToVideoAdapter(FirstFrameConditioned, WanAdapter):
     def _extra_inputs(self, cond: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The CLIP image tokens, where the transformer takes them (Wan2.1; Wan2.2 I2V has no image projection)."""
         return {"encoder_hidden_states_image": cond["image_embeds"]} if "image_embeds" in cond else {}
+
+
+def build_tiny_wan_i2v(path: Path) -> None:
+    """Wan2.1-I2V-like: `build_tiny_wan`'s UMT5 and VAE, a CLIP vision encoder whose penultimate hidden states feed
+    the transformer's image projection (image_dim), and a transformer that takes the noise, the first-frame mask
+    (one channel per frame of a latent frame: 4) and the condition latents: in_channels = 2·z_dim + 4."""
+    from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config,
+                              UMT5EncoderModel)
+
+    tokenizer = tiny_t5_tokenizer(max_length=512)
+    torch.manual_seed(TINY_SEED)
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(vocab_size=len(tokenizer), d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
+                   relative_attention_num_buckets=8)
+    )
+    # 32x32 inputs in 8x8 patches: 16 patch tokens + the class token, as ViT-H/14's 256 + 1 at 224.
+    image_encoder = CLIPVisionModel(
+        CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         image_size=32, patch_size=8, projection_dim=16)
+    )
+    # The real checkpoint's preprocessing (CLIP mean/std, shortest-edge resize, centre crop) at 32 pixels.
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    vae = _tiny_wan_vae()
+    # added_kv_proj_dim = the inner dim (as in the 14B model): the image tokens are projected to it first.
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=2 * 4 + 4, out_channels=4,
+        text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=64, image_dim=16,
+        added_kv_proj_dim=24,
+    )
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    pipe = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, image_encoder=image_encoder,
+                                   image_processor=image_processor, transformer=transformer, vae=vae,
+                                   scheduler=scheduler)
+    pipe.save_pretrained(path, safe_serialization=True)

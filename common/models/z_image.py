@@ -1,8 +1,11 @@
 """Z-Image and Z-Image-Turbo (`ZImagePipeline`)."""
 
+from pathlib import Path
+
 import torch
 
 from common.models.base import _Adapter
+from common.models.tiny_parts import TINY_SEED, _tiny_sd3_vae, tiny_qwen2_tokenizer
 from common.utils import UserError
 
 
@@ -144,3 +147,43 @@ class ZImageAdapter(_Adapter):
         latents = latents.to(self.vae.dtype) / self.vae.config.scaling_factor + self.vae.config.shift_factor
         images = self.vae.decode(latents, return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
+# A Qwen3-style chat template: ZImagePipeline formats every prompt as one user turn with a generation prompt and
+# thinking left on, which renders as below in the real Qwen3 template (no <think> block is added then).
+_QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def build_tiny_z_image(path: Path) -> None:
+    """Z-Image-Turbo-like: a 2-layer Qwen3 text encoder (the pipeline reads its second-to-last hidden state) behind
+    a Qwen3-style chat template, the single-stream Z-Image DiT (noise and caption refiners, then joint layers; 3-axis
+    RoPE with the real axis lengths), FLUX's 4-block VAE with its scaling and shift, and the real checkpoint's
+    scheduler (static shift 3)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    tokenizer = tiny_qwen2_tokenizer()
+    tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
+    ids = tokenizer.convert_tokens_to_ids
+    torch.manual_seed(TINY_SEED)
+    text_encoder = Qwen3Model(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+    ))
+    vae = _tiny_sd3_vae(4, scaling_factor=0.3611, shift_factor=0.1159)  # FLUX.1's VAE constants, as Z-Image's
+    # head_dim 16 = sum(axes_dims); axes_lens as the real model (caption positions on axis 0, image rows, columns).
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=2, n_refiner_layers=1,
+        n_heads=2, n_kv_heads=2, cap_feat_dim=32, axes_dims=[8, 4, 4], axes_lens=[1536, 512, 512],
+    )
+    pipe = ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae, text_encoder=text_encoder,
+                          tokenizer=tokenizer, transformer=transformer)
+    pipe.save_pretrained(path, safe_serialization=True)

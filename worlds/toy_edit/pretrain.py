@@ -1,11 +1,11 @@
 """Regenerate the toy edit world's pretrained FLUX.1 Kontext pipeline, data/toy_edit/model/, on one CPU thread.
 
-    python data/toy_edit/pretrain.py                          # the shipped recipe
-    python data/toy_edit/pretrain.py --out /tmp/edit --steps 500
+    python worlds/toy_edit/pretrain.py                          # the shipped recipe
+    python worlds/toy_edit/pretrain.py --out /tmp/edit --steps 500
 
 1. Start from the toy world's pipeline (data/toy/model/): its VAE, text encoders, tokenizers, scheduler and
    transformer, assembled unchanged into a `FluxKontextPipeline` (same components, no config change).
-2. Render a pool of (source, target) pairs of the training edits (common/toy_edit.py) and VAE-encode both once:
+2. Render a pool of (source, target) pairs of the training edits (worlds/toy_edit/world.py) and VAE-encode both once:
    the condition latents exactly as the pipeline encodes a condition image (the VAE's mode, shifted and scaled:
    checked against `adapter.encode_prompts` on a render before training), the targets' posterior means likewise.
 3. Train the transformer by rectified flow through the project's `FluxKontextAdapter.velocity` (the forward
@@ -40,13 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from common.models import load_adapter  # noqa: E402
 from common.models.flux import FluxAdapter  # noqa: E402
 from common.sampling import sample, sample_generators  # noqa: E402
-from common.toy import MAX_SEQUENCE_LENGTH, RESOLUTION, toy_model_path  # noqa: E402
-from common.toy_edit import (KINDS, dataset_records, edit_split, instructions, parse_instruction,  # noqa: E402
-                             render_edit)
 from common.utils import folder_replaced_atomically, quiet_libraries  # noqa: E402
-from rewards.toy_edit import ToyEditReward  # noqa: E402
+from worlds.toy.world import MAX_SEQUENCE_LENGTH, RESOLUTION, toy_model_path  # noqa: E402
+from worlds.toy_edit.reward import ToyEditReward  # noqa: E402
+from worlds.toy_edit.world import (KINDS, dataset_records, edit_split, instructions, parse_instruction,  # noqa: E402
+                                   render_edit)
 
-HERE = Path(__file__).resolve().parent
 EVAL_STEPS = 8  # Euler ODE steps of the held-out evaluation (the adapter's `sigmas(8)`)
 EVAL_SEEDS = 16  # samples per held-out line at the end (4 during training)
 
@@ -195,7 +194,7 @@ def share_frozen_components(folder: Path, base: Path, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=HERE / "model")
+    parser.add_argument("--out", type=Path, default=toy_model_path("flux1-kontext"))
     parser.add_argument("--base", type=Path, default=toy_model_path(), help="the toy world's FLUX.1 pipeline")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=1500, help="transformer pretraining steps")

@@ -1,13 +1,13 @@
-"""The toy edit world's exact reward (common/toy_edit.py): did the output carry out the instruction on the
-condition image, and keep what the instruction did not name? Pixel analysis only, as rewards/toy.py.
+"""The toy edit world's exact reward (worlds/toy_edit/world.py): did the output carry out the instruction on the
+condition image, and keep what the instruction did not name? Pixel analysis only, as worlds/toy/reward.py.
 
-1. The source scene is read off the condition image with rewards/toy.py's analysis: its objects' count, their
+1. The source scene is read off the condition image with worlds/toy/reward.py's analysis: its objects' count, their
    (common) colour and shape, and each one's place. Its half is not read: a scene placed anywhere may happen to lie
    in one half, so the source description names none (a move names the new half; colour and shape edits are held
    to the source's places by `preserved`, which is stricter than a half).
 2. The instruction applied to it gives the edited description, e.g. "two green squares"; a move's, "two red
    squares on the left".
-3. Six checks of the output: rewards/toy.py's five for the edited description (colour, count, shape, position,
+3. Six checks of the output: worlds/toy/reward.py's five for the edited description (colour, count, shape, position,
    clean), and
        preserved   the output has as many objects as the source (of any colour), and for colour and shape edits
                    each source object has its own output object of the new description's colour whose box centre
@@ -22,10 +22,10 @@ from itertools import permutations
 import numpy as np
 import torch
 
-from common.toy import RESOLUTION, ToyPrompt
-from common.toy_edit import apply_edit, parse_instruction
-from rewards.toy import CHECKS as TOY_CHECKS
-from rewards.toy import MIN_PIXELS, check_image, classify_pixels, connected_components, find_objects
+from worlds.toy.reward import CHECKS as TOY_CHECKS
+from worlds.toy.reward import MIN_PIXELS, check_image, classify_pixels, connected_components, find_objects
+from worlds.toy.world import RESOLUTION, ToyPrompt
+from worlds.toy_edit.world import apply_edit, parse_instruction
 
 CHECKS = (*TOY_CHECKS, "preserved")
 TOLERANCE = 2.0  # pixels at 32×32 between a kept object's box centres in the source and the output
@@ -42,7 +42,7 @@ def _as_hwc(images) -> np.ndarray:
 
 
 def scene_objects(images) -> list[list[dict]]:
-    """rewards/toy.py's objects of each image (colour, shape, centroid, pixels), each with its thresholded mask's
+    """worlds/toy/reward.py's objects of each image (colour, shape, centroid, pixels), each with its thresholded mask's
     box centre (x, y) in pixels added as `centre`."""
     images = _as_hwc(images)
     if not len(images):

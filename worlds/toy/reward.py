@@ -1,4 +1,4 @@
-"""The toy world's exact reward (common/toy.py): GenEval-style checks of a 32×32 image by pixel analysis,
+"""The toy world's exact reward (worlds/toy/world.py): GenEval-style checks of a 32×32 image by pixel analysis,
 no learned model, about a millisecond per image.
 
 Pixels are classed by colour (hue windows around the drawn hues; bright unsaturated or off-hue pixels are "other",
@@ -20,7 +20,7 @@ Five checks per image, the prompt's parts in turn:
 import numpy as np
 import torch
 
-from common.toy import RESOLUTION, parse_prompt
+from worlds.toy.world import RESOLUTION, parse_prompt
 
 CLASSES = ("red", "yellow", "green", "blue", "other")
 # Hue windows in degrees, [start, end): they tile the circle, so a drifted hue is still named. Cyan and magenta,
@@ -201,3 +201,22 @@ class ToyReward:
 
     def __call__(self, images, prompts) -> np.ndarray:
         return self.checks(images, prompts)[self.mode]
+
+
+class ToyColourShare:
+    """`--reward toy_colour_share`: the share of the canvas classed as the prompt's colour (`classify_pixels`).
+    Anchored to the prompt (another colour scores low) and hackable on purpose: flooding the canvas with that colour
+    maximises it while count, shape and position fail — the training reward of the `toy-hack` presets, which watch
+    `toy,mode=strict` as the judge (docs/guard.md)."""
+
+    groupwise = False
+
+    def __call__(self, images, prompts) -> np.ndarray:
+        if isinstance(images, torch.Tensor):
+            images = images.detach().float().cpu().numpy()
+        images = np.asarray(images, dtype=np.float32)
+        if images.ndim != 4 or images.shape[1] != 3 or len(images) != len(prompts):
+            raise ValueError(f"expected images (B, 3, H, W) for {len(prompts)} prompts, got shape {images.shape}")
+        classes = classify_pixels(images.transpose(0, 2, 3, 1).clip(0, 1))
+        wanted = np.array([CLASSES.index(parse_prompt(p).colour) for p in prompts])
+        return (classes == wanted[:, None, None]).mean((1, 2)).astype(np.float64)

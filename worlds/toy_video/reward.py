@@ -1,5 +1,5 @@
-"""The toy video world's exact reward (common/toy_video.py): each frame read as rewards/toy.py reads an image,
-and the motion from the objects' centroids across frames. No learned model, about a millisecond per frame.
+"""The toy video world's exact reward (worlds/toy_video/world.py): each frame read as worlds/toy/reward.py reads an
+image, and the motion from the objects' centroids across frames. No learned model, about a millisecond per frame.
 
 Six checks per clip:
     colour    every frame has an object of the requested colour
@@ -17,9 +17,9 @@ scale with the frame. The ground truth moves 2–3 px per frame (8–12 px over 
 import numpy as np
 import torch
 
-from common.toy import RESOLUTION
-from common.toy_video import DIRECTIONS, parse_clip_prompt
-from rewards.toy import MIN_PIXELS, classify_pixels, connected_components, find_objects
+from worlds.toy.reward import MIN_PIXELS, classify_pixels, connected_components, find_objects
+from worlds.toy.world import RESOLUTION
+from worlds.toy_video.world import DIRECTIONS, parse_clip_prompt
 
 CHECKS = ("colour", "count", "shape", "clean", "motion", "persist")
 MODES = ("partial", "strict", *CHECKS)
@@ -29,7 +29,7 @@ MAX_STEP = 5.0  # px an object may move between frames and still be the same obj
 
 
 def clip_objects(clips) -> list[list[list[dict]]]:
-    """(B, F, 3, H, W) floats in [0, 1] -> per clip, per frame, rewards/toy.py's objects."""
+    """(B, F, 3, H, W) floats in [0, 1] -> per clip, per frame, worlds/toy/reward.py's objects."""
     if isinstance(clips, torch.Tensor):
         clips = clips.detach().float().cpu().numpy()
     clips = np.asarray(clips, dtype=np.float32)

@@ -1,10 +1,10 @@
 """Write the toy edit world's dataset, data/toy_edit/{train,test}.jsonl and images/, deterministically.
 
-    python data/toy_edit/make_dataset.py                 # rewrites this folder's dataset
-    python data/toy_edit/make_dataset.py --out /tmp/ds   # elsewhere (the tests compare the two)
+    python worlds/toy_edit/make_dataset.py                 # rewrites data/toy_edit/'s dataset
+    python worlds/toy_edit/make_dataset.py --out /tmp/ds   # elsewhere (the tests compare the two)
 
 Each line is {"prompt": INSTRUCTION, "image": "images/NAME.png"}: the model sees the instruction and the 32×32
-source render, never the source prompt. The lines (common/toy_edit.py `dataset_records`): per edit kind, 128
+source render, never the source prompt. The lines (worlds/toy_edit/world.py `dataset_records`): per edit kind, 128
 training and 32 held-out pairs drawn from the split's pairs, each with one fixed source render.
 """
 
@@ -17,9 +17,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from common.toy_edit import dataset_records, render_edit  # noqa: E402
-
-HERE = Path(__file__).resolve().parent
+from worlds.toy_edit.world import TOY_EDIT_DIR, dataset_records, render_edit  # noqa: E402
 
 
 def write_dataset(out: Path) -> None:
@@ -40,7 +38,7 @@ def write_dataset(out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=HERE)
+    parser.add_argument("--out", type=Path, default=TOY_EDIT_DIR)
     args = parser.parse_args()
     write_dataset(args.out)
     print(f"wrote {args.out}/train.jsonl, test.jsonl and images/")

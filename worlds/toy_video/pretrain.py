@@ -1,11 +1,11 @@
 """Regenerate the toy video world's pretrained Wan pipeline, data/toy_video/model/, from scratch on one CPU thread.
 
-    python data/toy_video/pretrain.py                      # the shipped recipe (about 60 CPU-minutes)
-    python data/toy_video/pretrain.py --out /tmp/toy-video --steps 500
-    python data/toy_video/pretrain.py --vae-from data/toy_video/model --out /tmp/tv --snapshots /tmp/tv-snapshots
+    python worlds/toy_video/pretrain.py                      # the shipped recipe (about 60 CPU-minutes)
+    python worlds/toy_video/pretrain.py --out /tmp/toy-video --steps 500
+    python worlds/toy_video/pretrain.py --vae-from data/toy_video/model --out /tmp/tv --snapshots /tmp/tv-snapshots
                                                      # the transformer alone, on the shipped VAE
 
-1. Build the pipeline (common/toy_video.py `build_toy_video_pipeline`) with a fixed seed: a random frozen UMT5.
+1. Build the pipeline (worlds/toy_video/world.py `build_toy_video_pipeline`) with a fixed seed: a random frozen UMT5.
 2. Train the Wan VAE on 5-frame renders of the training prompts: the whole VAE, then the decoder alone with the
    encoder frozen (the latent space the transformer learns is then fixed). Set `latents_mean`/`latents_std` per
    channel from the encoder's latents, so that the transformer sees unit variance (WanPipeline's convention).
@@ -34,11 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common.models import load_adapter  # noqa: E402
 from common.sampling import sample, sample_generators  # noqa: E402
-from common.toy import toy_model_path  # noqa: E402
-from common.toy_video import (FLOW_SHIFT, MAX_SEQUENCE_LENGTH, NUM_FRAMES, RESOLUTION,  # noqa: E402
-                              build_toy_video_pipeline, load_video_split, render_clips)
 from common.utils import folder_replaced_atomically, quiet_libraries  # noqa: E402
-from rewards.toy_video import ToyVideoReward  # noqa: E402
+from worlds.toy.world import toy_model_path  # noqa: E402
+from worlds.toy_video.reward import ToyVideoReward  # noqa: E402
+from worlds.toy_video.world import (FLOW_SHIFT, MAX_SEQUENCE_LENGTH, NUM_FRAMES, RESOLUTION,  # noqa: E402
+                                    build_toy_video_pipeline, load_video_split, render_clips)
 
 EVAL_STEPS = 8  # Euler ODE steps of the held-out evaluation (the adapter's `sigmas(8)`)
 EVAL_SEEDS = 16  # samples per held-out prompt

@@ -1,8 +1,8 @@
-"""The toy VIDEO world: common/toy.py's shapes, moving. A prompt names a count, a colour, a shape and a direction
+"""The toy VIDEO world: worlds/toy/world.py's shapes, moving. A prompt names a count, a colour, a shape and a direction
 ("two blue circles moving down"); a clip is 5 frames of 32×32 in which the objects keep their size, colour and
-shape and all move the same 2–3 px per frame that way. rewards/toy_video.py checks each frame and the motion by
+shape and all move the same 2–3 px per frame that way. worlds/toy_video/reward.py checks each frame and the motion by
 pixel analysis; `data/toy_video/model/` is a ~3 MB `WanPipeline` (the real diffusers/transformers classes)
-pretrained on the renders by `data/toy_video/pretrain.py`.
+pretrained on the renders by `worlds/toy_video/pretrain.py`.
 
     prompts    COUNT COLOUR SHAPE[s] moving DIRECTION: 2 × 4 × 3 × 4 = 96, of which a fixed 19 are held out
     renderer   `render_clip(prompt, rng)` -> (5, 32, 32, 3) uint8
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.toy import COLOURS, REPO, RESOLUTION, SHAPES, _colour, placement_bounds
-from common.toy_edit import draw_scene, place
+from worlds.toy.world import COLOURS, REPO, RESOLUTION, SHAPES, _colour, placement_bounds
+from worlds.toy_edit.world import draw_scene, place
 
 TOY_VIDEO_DIR = REPO / "data" / "toy_video"
 COUNTS = {"a": 1, "two": 2}
@@ -93,7 +93,7 @@ def load_video_split() -> tuple[list[str], list[str]]:
 def render_clip(prompt: str, rng: np.random.Generator, resolution: int = RESOLUTION,
                 num_frames: int = NUM_FRAMES) -> np.ndarray:
     """The ground truth of a toy video prompt: (num_frames, resolution, resolution, 3) uint8. The objects are
-    placed (non-overlapping, as common/toy.py places them) where their whole path stays inside the frame, then
+    placed (non-overlapping, as worlds/toy/world.py places them) where their whole path stays inside the frame, then
     drawn at p0 + t · speed · direction in frame t, with one fill each for the whole clip."""
     spec = parse_clip_prompt(prompt)
     scale = resolution / RESOLUTION
@@ -139,7 +139,7 @@ def build_toy_video_pipeline(seed: int = 0):
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from common.toy import toy_t5_tokenizer
+    from worlds.toy.world import toy_t5_tokenizer
 
     tokenizer = toy_t5_tokenizer(video_words())
     tokenizer.model_max_length = MAX_SEQUENCE_LENGTH

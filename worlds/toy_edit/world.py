@@ -1,8 +1,8 @@
-"""The toy EDIT world: instruction-based editing of common/toy.py's scenes, the CPU-sized version of an image-edit
+"""The toy EDIT world: instruction-based editing of worlds/toy/world.py's scenes, the CPU-sized version of an image-edit
 benchmark. A source scene is a render of a toy prompt ("two red squares on the left"); an instruction changes ONE
 attribute of it; the edited description is the source prompt with that attribute changed; the target render keeps
-everything the instruction did not name. rewards/toy_edit.py scores an edit by pixel analysis, `data/toy_edit/`
-holds the dataset and the ~3 MB FLUX.1 Kontext pipeline that `data/toy_edit/pretrain.py` trains.
+everything the instruction did not name. worlds/toy_edit/reward.py scores an edit by pixel analysis, `data/toy_edit/`
+holds the dataset and the ~3 MB FLUX.1 Kontext pipeline that `worlds/toy_edit/pretrain.py` trains.
 
     recolour   "make it green" / "make them green"                        same boxes, same shape, new colour
     reshape    "turn it into a square" / "turn them into squares"           same boxes, same colour, new shape
@@ -21,9 +21,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 from PIL import Image, ImageDraw
 
-from common.toy import (COLOURS, REPO, RESOLUTION, SHAPES, SUPERSAMPLE, ToyPrompt, _colour, _layout, _region,
-                        parse_prompt, placement_bounds, toy_prompts)
+from worlds.toy.world import (COLOURS, REPO, RESOLUTION, SHAPES, SUPERSAMPLE, ToyPrompt, _colour, _layout, _region,
+                              parse_prompt, placement_bounds, toy_prompts)
 
+TOY_EDIT_DIR = REPO / "data" / "toy_edit"
 KINDS = ("recolour", "reshape", "move")
 SIDES = ("left", "right", "top", "bottom")  # the halves a move names (ToyPrompt.position values)
 TEST_FRACTION = 0.2
@@ -33,7 +34,7 @@ SPLIT_SEED = 0
 # Kontext model, the edit dataset, the exact edit reward (mean of its six checks), 32 px conditions (Kontext's own
 # preferred size would be 1024 px), and evaluation on all 96 held-out edits × 8 seeds (standard error about 0.018:
 # RL's gains here are about 0.1, and 4 seeds' 0.025 blurred them).
-TOY_EDIT_WORLD = dict(model="flux1-kontext", model_path="toy", dataset=str(REPO / "data" / "toy_edit"), reward=["toy_edit"],
+TOY_EDIT_WORLD = dict(model="flux1-kontext", model_path="toy", dataset=str(TOY_EDIT_DIR), reward=["toy_edit"],
                       resolution=RESOLUTION, condition_size=RESOLUTION, max_sequence_length=16, eval_num_prompts=96,
                       eval_seeds=8, eval_num_steps=8)
 
@@ -156,7 +157,7 @@ def edit_split(seed: int = SPLIT_SEED) -> tuple[list[tuple[str, str]], list[tupl
 # ----- renderer ---------------------------------------------------------------------------------------------
 def draw_scene(shape: str, boxes, fills, resolution: int = RESOLUTION) -> np.ndarray:
     """Objects of one shape at the given boxes (x, y, side) in pixels with the given RGB fills, drawn exactly as
-    common/toy.py's `render` draws them: (resolution, resolution, 3) uint8."""
+    worlds/toy/world.py's `render` draws them: (resolution, resolution, 3) uint8."""
     size = resolution * SUPERSAMPLE
     canvas = Image.new("RGB", (size, size))
     draw = ImageDraw.Draw(canvas)
@@ -173,7 +174,7 @@ def draw_scene(shape: str, boxes, fills, resolution: int = RESOLUTION) -> np.nda
 
 
 def place(sizes, region, resolution: int, rng: np.random.Generator, attempts: int = 200):
-    """Boxes (x, y, side) for objects of the given sides inside `region`, without overlap, as common/toy.py's
+    """Boxes (x, y, side) for objects of the given sides inside `region`, without overlap, as worlds/toy/world.py's
     `_layout` places them but keeping the sides; None when `attempts` placements all fail."""
     x0, y0, x1, y1, gap = placement_bounds(region, resolution)
     quantize = lambda v: np.floor(v * SUPERSAMPLE) / SUPERSAMPLE  # noqa: E731
@@ -195,7 +196,7 @@ def render_edit(source_prompt: str, instruction: str, seed: int,
                 resolution: int = RESOLUTION) -> tuple[np.ndarray, np.ndarray]:
     """(source, target) renders of an edit, (resolution, resolution, 3) uint8 each, deterministic for `seed`.
 
-    The source is `render(source_prompt, np.random.default_rng(seed))` of common/toy.py (same draws in the same
+    The source is `render(source_prompt, np.random.default_rng(seed))` of worlds/toy/world.py (same draws in the same
     order). Recolour: the same boxes in a fresh shade of the new colour; reshape: the same boxes and fills, the new
     shape; move: the same sides and fills, placed afresh in the new half (a source placed anywhere is redrawn until
     its sides fit a half: three 10 px objects fit the whole image but no half)."""

@@ -1,8 +1,8 @@
 """The toy world: a CPU-sized GenEval. Prompts name a count, a colour, a shape and optionally a half of the image
 ("two blue squares on the left"); images are 32×32 flat shapes on black. Everything about it is exact: the
-renderer draws the ground truth, rewards/toy.py checks an image by pixel analysis, and `data/toy/model/` is a
+renderer draws the ground truth, worlds/toy/reward.py checks an image by pixel analysis, and `data/toy/model/` is a
 ~3 MB FLUX.1 pipeline (the real diffusers/transformers classes) pretrained on the renders by
-`data/toy/pretrain.py`, weak enough for RL to improve it on a CPU in minutes.
+`worlds/toy/pretrain.py`, weak enough for RL to improve it on a CPU in minutes.
 
     prompts    COUNT COLOUR SHAPE[s] [POSITION]: 3 × 4 × 3 × 5 = 180, of which a fixed 36 are held out
     renderer   `render(prompt, rng)` -> (32, 32, 3) uint8, anti-aliased by 4× supersampling
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TOY_DIR = REPO / "data" / "toy"
 
 COUNTS = {"a": 1, "two": 2, "three": 3}
@@ -39,7 +39,7 @@ TOY_WORLD = dict(model_path="toy", dataset=str(TOY_DIR), reward=["toy"], resolut
                  max_sequence_length=MAX_SEQUENCE_LENGTH, eval_num_prompts=36, eval_seeds=4, eval_num_steps=8,
                  eval_hf_reference=str(TOY_DIR / "teacher_hf.json"))
 
-# Centre hue (degrees) of each colour as drawn; rewards/toy.py classifies hues into windows around these.
+# Centre hue (degrees) of each colour as drawn; worlds/toy/reward.py classifies hues into windows around these.
 HUES = {"red": 0.0, "yellow": 55.0, "green": 120.0, "blue": 225.0}
 
 
@@ -183,20 +183,15 @@ def render_batch(prompts: list[str], rng: np.random.Generator, resolution: int =
 
 
 def toy_model_path(model: str = "flux1") -> Path:
-    """The shipped pretrained toy pipelines (`--model-path toy`): FLUX.1 (the toy world, data/toy/model/),
-    FLUX.1 Kontext (the toy edit world, data/toy_edit/model/) and Wan (the toy video world, data/toy_video/model/)."""
-    paths = {"flux1": TOY_DIR / "model", "flux1-kontext": REPO / "data" / "toy_edit" / "model",
-             "wan": REPO / "data" / "toy_video" / "model"}
-    if model not in paths:
-        from common.utils import UserError
+    """The shipped pretrained toy pipeline of `model` (`--model-path toy`: the registry's `toy` column): FLUX.1 (the
+    toy world, data/toy/model/), FLUX.1 Kontext (the toy edit world) and Wan (the toy video world)."""
+    from common.models import resolve_model_path
 
-        raise UserError(f"--model-path toy is a FLUX.1 pipeline (--model flux1), a FLUX.1 Kontext one "
-                        f"(--model flux1-kontext) or a Wan one (--model wan), not {model}")
-    return paths[model]
+    return Path(resolve_model_path(model, "toy"))
 
 
 # ----- the pipeline ----------------------------------------------------------------------------------------
-# `data/toy/pretrain.py` builds these with a fixed seed, trains the VAE and the transformer, and saves the
+# `worlds/toy/pretrain.py` builds these with a fixed seed, trains the VAE and the transformer, and saves the
 # pipeline. The text encoders stay as initialised: random but frozen, they still map each prompt to a distinct
 # embedding, and the transformer's input projections learn to read it.
 def _toy_bpe_merges(words: list[str]) -> list[tuple[str, str]]:
@@ -228,7 +223,7 @@ def toy_clip_tokenizer():
     """A CLIP BPE tokenizer in which each toy word is one token (other text falls back to characters)."""
     from transformers import CLIPTokenizer
 
-    from common.tiny import _characters
+    from common.models.tiny_parts import _characters
 
     merges = _toy_bpe_merges(sorted(toy_words()))
     pieces = ["<|startoftext|>", "<|endoftext|>"] + _characters() + [c + "</w>" for c in _characters()]
@@ -242,7 +237,7 @@ def toy_t5_tokenizer(words=None):
     whole words score higher than their spelling in characters, which remain as a fallback for other text."""
     from transformers import T5Tokenizer
 
-    from common.tiny import _characters
+    from common.models.tiny_parts import _characters
 
     vocab = {"<pad>": 0.0, "</s>": 0.0, "<unk>": 0.0, "▁": -2.0}
     vocab.update({"▁" + word: -1.0 for word in sorted(toy_words() if words is None else words)})

@@ -1,11 +1,11 @@
 """Regenerate the toy world's pretrained FLUX.1 pipeline, data/toy/model/, from scratch on one CPU thread.
 
-    python data/toy/pretrain.py                      # the shipped recipe (about an hour of CPU on one thread)
-    python data/toy/pretrain.py --out /tmp/toy --steps 500
-    python data/toy/pretrain.py --continue-from data/toy/model --out /tmp/toy-sft --steps 4000 --pool 32
-                                                     # supervised fine-tuning of the shipped model (its ceiling)
+    python worlds/toy/pretrain.py                      # the shipped recipe (about an hour of CPU on one thread)
+    python worlds/toy/pretrain.py --out /tmp/toy --steps 500
+    python worlds/toy/pretrain.py --continue-from data/toy/model --out /tmp/toy-sft --steps 4000 --pool 32
+                                                       # supervised fine-tuning of the shipped model (its ceiling)
 
-1. Build the pipeline (common/toy.py `build_toy_pipeline`) with a fixed seed: random frozen text encoders.
+1. Build the pipeline (worlds/toy/world.py `build_toy_pipeline`) with a fixed seed: random frozen text encoders.
 2. Train the VAE on renders of the training prompts: the whole VAE first, then the decoder alone with the
    encoder frozen (the latent space the transformer will learn is then fixed, and the decoder sharpens on it).
    Set `shift_factor`/`scaling_factor` from the encoder's latents so that the transformer sees unit variance.
@@ -32,9 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common.models import load_adapter  # noqa: E402
 from common.sampling import sample, sample_generators  # noqa: E402
-from common.toy import MAX_SEQUENCE_LENGTH, RESOLUTION, build_toy_pipeline, load_toy_split, render_batch, toy_model_path  # noqa: E402
 from common.utils import folder_replaced_atomically, quiet_libraries  # noqa: E402
-from rewards.toy import ToyReward  # noqa: E402
+from worlds.toy.reward import ToyReward  # noqa: E402
+from worlds.toy.world import (MAX_SEQUENCE_LENGTH, RESOLUTION, build_toy_pipeline, load_toy_split,  # noqa: E402
+                              render_batch, toy_model_path)
 
 EVAL_STEPS = 8  # Euler ODE steps of the held-out evaluation (the adapter's `sigmas(8)`)
 EVAL_SEEDS = 16  # samples per held-out prompt

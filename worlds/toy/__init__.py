@@ -1,0 +1,1 @@
+"""The toy world: a CPU-sized GenEval (docs/toy-world.md)."""

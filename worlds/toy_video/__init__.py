@@ -1,0 +1,1 @@
+"""The toy video world: the toy shapes, moving (docs/toy-video-world.md)."""
