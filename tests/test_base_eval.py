@@ -20,7 +20,10 @@ def test_the_first_line_is_the_untrained_models_evaluation(tmp_path, tiny_flux_p
     assert [line["epoch"] for line in lines] == [-1, 0, 1]
     base, first = lines[0], lines[1]
     eval_keys = sorted(k for k in first if k.startswith("eval_"))
-    assert eval_keys and sorted(k for k in base if k != "epoch") == eval_keys
+    # the base line also holds each reward's prompt gap (docs/guard.md)
+    assert eval_keys and sorted(k for k in base if k != "epoch" and not k.startswith("prompt_gap_")) == eval_keys
+    assert {k for k in base if k.startswith("prompt_gap_")} == {"prompt_gap_jpeg_compressibility",
+                                                                "prompt_gap_jpeg_compressibility_se"}
     assert (out / "eval" / "base.png").exists()
     # The same prompts and seeds: the untrained LoRA (B = 0) is the pretrained model, so the base differs from the
     # evaluation after one update only by what that update did.

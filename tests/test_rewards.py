@@ -249,7 +249,7 @@ def test_a_missing_local_reward_path_is_not_tried_as_a_hub_id(clip_dir, tmp_path
 
 
 def test_duplicate_names_are_refused_and_renamed():
-    with pytest.raises(UserError, match="two rewards are named 'jpeg_compressibility'.*name="):
+    with pytest.raises(UserError, match="two rewards or judges are named 'jpeg_compressibility'.*name="):
         load_rewards(["jpeg_compressibility", "jpeg_compressibility:2"])
     names = [r.name for r in load_rewards(["jpeg_compressibility", "jpeg_compressibility:2,name=jpeg2"])]
     assert names == ["jpeg_compressibility", "jpeg2"]
