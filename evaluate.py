@@ -26,7 +26,8 @@ from common.cache import PromptEncoder, cache_texts, condition_inputs, find_cach
 from common.checkpoint import load_full_state_into, load_lora_state_into, newest_complete_checkpoint
 from common.cli import CONDITIONED_MODELS, AttentionBackend, ModelName, TrainArgs, check_finite, cli_one_line
 from common.data import Prompt, check_conditions, default_dataset, load_prompts
-from common.evaluation import evaluate_prompts
+from common.evaluation import evaluate_prompts, load_hf_reference, save_hf_reference
+from common.init_lora import init_lora_folder, load_init_lora, lora_file_config, merge_init_lora
 from common.models import ADAPTERS, default_max_sequence_length, load_adapter, resolve_model_path
 from common.scoring import check_audio_rewards, check_video_rewards
 from common.tracking import format_metrics
@@ -49,6 +50,17 @@ class Args:
     best_of: bool = False
     """also report each metric's best-of-N: the mean over prompts of the best of the --eval-seeds samples (for a
     pass/fail check, the share of prompts some sample gets right: what sharpening alone could reach)"""
+    save_hf: str | None = None
+    """write the scored model's blur measure per sample (prompt, seed, h, strict) to this JSON file: a teacher's
+    reference for --eval-hf-reference (one model only)"""
+    eval_hf_reference: str | None = None
+    """a teacher's reference file (--save-hf): also report eval_blur_ratio, H over the teacher's H on the same
+    prompts × seeds (unset: the run's)"""
+    init_lora: str | None = None
+    """without --run: score this LoRA (a folder holding pytorch_lora_weights.safetensors, or a run folder) on the
+    model given by the flags; with --merge-init-lora, merged into it (a run's own come from the run)"""
+    merge_init_lora: bool = False
+    """merge --init-lora into the base weights (without --run)"""
     grid_dir: str = "runs/evaluate"
     """folder for each scored model's captioned sample grid"""
     # The model, data and evaluation; unset ones come from the run (with --run) or take the training defaults.
@@ -97,7 +109,8 @@ class Args:
 
 # With --run, the flags that may differ from the run's own: what is evaluated and where the model is found.
 EVAL_FLAGS = ("eval_num_prompts", "eval_seeds", "eval_num_steps", "batch_size", "reward", "judge", "dataset",
-              "guidance_scale", "model_path", "cache_dir", "reward_device", "attention_backend")
+              "guidance_scale", "model_path", "cache_dir", "reward_device", "attention_backend",
+              "eval_hf_reference")
 
 
 def check(args: Args) -> None:
@@ -110,6 +123,14 @@ def check(args: Args) -> None:
         raise UserError(f"unknown --benchmark {args.benchmark!r}; choose from: {', '.join(BENCHMARKS)}")
     if args.benchmark_prompts is not None and args.benchmark is None:
         raise UserError("--benchmark-prompts is the prompt file of a --benchmark: give --benchmark too")
+    if args.save_hf is not None and (len(args.run) > 1 or (args.run and args.base)):
+        raise UserError("--save-hf writes one model's reference: score one (no --run, or one --run without --base)")
+    if (args.init_lora is not None or args.merge_init_lora) and args.run:
+        raise UserError("--init-lora scores a LoRA without --run (a run's own --init-lora comes from the run)")
+    if args.merge_init_lora and args.init_lora is None:
+        raise UserError("--merge-init-lora merges the LoRA given by --init-lora: give --init-lora DIR")
+    if args.eval_hf_reference is not None and not Path(args.eval_hf_reference).is_file():
+        raise UserError(f"--eval-hf-reference {args.eval_hf_reference} is not a file")
     if args.base and not args.run:
         raise UserError("--base scores the model a --run started from: give --run (without it the model given by "
                         "the flags is scored untrained anyway)")
@@ -193,18 +214,29 @@ def load_model(s: Namespace, accelerator, test: list | None = None):
     if getattr(s, "attention_backend", None) is not None:  # runs saved before the flag have none
         adapter.set_attention_backend(s.attention_backend, backward=False)
     adapter.transformer.to(accelerator.device)
+    if getattr(s, "init_lora", None):  # runs saved before the flag have none
+        folder = init_lora_folder(s.init_lora, s.model)
+        if s.merge_init_lora:
+            merge_init_lora(adapter.transformer, folder)
+        else:  # the run's own LoRA (`trained`) has the same rank and α
+            config = lora_file_config(folder)
+            add_lora(adapter.transformer, config["r"], config["lora_alpha"], adapter.lora_target_modules,
+                     adapter.unused_modules(adapter.transformer))
+            trainable_parameters(adapter.transformer)
+            load_init_lora(adapter.transformer, folder, config["r"], config["lora_alpha"])
     return adapter, PromptEncoder(adapter, cache), test
 
 
 def score(name: str, epoch: int, s: Namespace, adapter, encode, rewards, test, accelerator, grid_dir: Path, ema=None,
-          best_of: bool = False) -> dict:
+          best_of: bool = False, items_out: list | None = None) -> dict:
     guidance = s.guidance_scale if s.guidance_scale is not None else (
         s.guidance if s.guidance is not None else adapter.default_guidance_scale)
     adapter.transformer.eval()
     with ema.applied() if ema is not None else nullcontext(), torch.no_grad():
         metrics = evaluate_prompts(adapter, accelerator, encode, rewards, test, s.eval_seeds,
                                    s.eval_num_steps, s.batch_size, guidance, grid_dir / f"{name}.png",
-                                   best_of=best_of)
+                                   best_of=best_of, items_out=items_out,
+                                   hf_reference=load_hf_reference(getattr(s, "eval_hf_reference", None)))
     return {"name": name, "epoch": epoch, **metrics}
 
 
@@ -215,8 +247,9 @@ def trained(checkpoint, s: Namespace, adapter):
         load_full_state_into(transformer, checkpoint.weights)
         params = full_finetune_parameters(transformer, adapter.unused_modules(transformer))  # the EMA's, as trained
     else:
-        add_lora(transformer, s.lora_rank, s.lora_alpha, adapter.lora_target_modules,
-                 adapter.unused_modules(transformer))
+        if not getattr(transformer, "peft_config", None):  # (a run from --init-lora has it: load_model)
+            add_lora(transformer, s.lora_rank, s.lora_alpha, adapter.lora_target_modules,
+                     adapter.unused_modules(transformer))
         params = trainable_parameters(transformer)  # float32, as trained
         load_lora_state_into(transformer, checkpoint.weights, str(checkpoint.folder))
     ema = None
@@ -240,13 +273,14 @@ def table(results: list[dict]) -> str:
 
 
 def score_or_benchmark(args: Args, name: str, epoch: int, model: tuple, rewards, test, judge, records, accelerator,
-                       ema=None) -> dict:
+                       ema=None, items_out: list | None = None) -> dict:
     """`score` on the test split, or with --benchmark `run_benchmark` on its prompts; `model`: (settings, adapter,
     prompt encoder)."""
     if records is not None:
         return run_benchmark(args.benchmark, name, epoch, *model, judge, records, accelerator,
                              Path(args.benchmark_dir), ema)
-    return score(name, epoch, *model, rewards, test, accelerator, Path(args.grid_dir), ema, best_of=args.best_of)
+    return score(name, epoch, *model, rewards, test, accelerator, Path(args.grid_dir), ema, best_of=args.best_of,
+                 items_out=items_out)
 
 
 def main() -> None:
@@ -263,7 +297,7 @@ def main() -> None:
     if args.benchmark is not None:
         load_records, example = BENCHMARKS[args.benchmark][:2]
         records = load_records(Path(args.benchmark_prompts) if args.benchmark_prompts else example)
-    results = []
+    results, items = [], [] if args.save_hf else None
     for k, (folder, checkpoint) in enumerate(jobs):
         saved = checkpoint.meta["args"] if checkpoint is not None else None
         s = settings(args, saved)
@@ -284,10 +318,10 @@ def main() -> None:
         model, scoring = (s, adapter, encode), (rewards, test, judge, records, accelerator)
         if folder is None or (args.base and k == 0):  # before the checkpoint goes into the same transformer
             name = "base" if folder is None else f"{folder.name}-base"
-            results.append(score_or_benchmark(args, name, -1, model, *scoring))
+            results.append(score_or_benchmark(args, name, -1, model, *scoring, items_out=items))
         if folder is not None:
             epoch, ema = trained(checkpoint, s, adapter)
-            results.append(score_or_benchmark(args, folder.name, epoch, model, *scoring, ema=ema))
+            results.append(score_or_benchmark(args, folder.name, epoch, model, *scoring, ema=ema, items_out=items))
         if records is None:
             accelerator.print(format_metrics(results[-1], ["name", "epoch", "eval_reward_mean"]))
     if accelerator.is_main_process:
@@ -296,6 +330,13 @@ def main() -> None:
             print(f"grids: {grid_dir}")
         else:
             print(f"{args.benchmark} results and samples: {args.benchmark_dir}")
+        if args.save_hf:
+            if not items:
+                raise UserError("--save-hf: the scored model gave no images to measure")
+            save_hf_reference(args.save_hf, items, {"model": s.model, "model_path": s.model_path,
+                                                    "resolution": s.resolution, "eval_num_steps": s.eval_num_steps,
+                                                    "eval_seeds": s.eval_seeds, "name": results[-1]["name"]})
+            print(f"blur reference: {args.save_hf} ({len(items)} samples)")
         if args.output:
             summary = [{k: v for k, v in r.items() if k not in ("tables", "prompts")} for r in results]
             tmp = Path(args.output + ".tmp")

@@ -87,6 +87,13 @@ class TrainArgs:
     """embedding cache root built by preprocess.py (unset: $FLOWRL_CACHE/embeddings)"""
     cache: bool = True
     """use a matching embedding cache when there is one (--no-cache: encode prompts with the text encoders)"""
+    init_lora: str | None = None
+    """start from a saved LoRA: a folder holding pytorch_lora_weights.safetensors (a checkpoint, data/toy/student) or
+    a run's --output-dir (its newest complete checkpoint). Alone, it is loaded into the trained LoRA (same rank and
+    α); see --merge-init-lora"""
+    merge_init_lora: bool = False
+    """merge --init-lora into the base weights first and train a new LoRA on top: the reference (adapters disabled)
+    is then that model, e.g. a step-distilled student used as a base model"""
     attention_backend: AttentionBackend | None = None
     """the transformer's attention kernel, through diffusers' `set_attention_backend` (flash: flash-attn, sage:
     SageAttention, flex, xformers, ...); refused with one line where it cannot run here (unset: diffusers' default,
@@ -184,6 +191,9 @@ class TrainArgs:
     """samples per test prompt, at fixed seeds (one seed per prompt is noisy on small test sets)"""
     eval_num_steps: int | None = None
     """ODE steps of evaluation (unset: num_steps)"""
+    eval_hf_reference: str | None = None
+    """a teacher's per-sample blur measure (evaluate.py --save-hf): every evaluation then also logs eval_blur_ratio,
+    its H over the teacher's on the same prompts × seeds (every evaluation logs H itself, eval_hf_ratio)"""
     save_every: int = 10
     """checkpoint every N epochs and after the last (0: only after the last)"""
     keep_checkpoints: int = 2
@@ -329,6 +339,17 @@ def check_args(args) -> None:
                         "--train-experts to pick the experts")
     if args.num_frames is not None and args.model not in VIDEO_MODELS:
         raise UserError(f"--num-frames applies to video models ({', '.join(VIDEO_MODELS)}), not to {args.model}")
+    if args.merge_init_lora and args.init_lora is None:
+        raise UserError("--merge-init-lora merges the LoRA given by --init-lora: give --init-lora DIR")
+    if args.init_lora is not None:
+        if args.full_finetune and not args.merge_init_lora:
+            raise UserError("--init-lora with --full-finetune: add --merge-init-lora (a LoRA is merged into the "
+                            "weights that full fine-tuning trains)")
+        from common.init_lora import init_lora_folder
+
+        init_lora_folder(args.init_lora, args.model)
+    if args.eval_hf_reference is not None and not Path(args.eval_hf_reference).is_file():
+        raise UserError(f"--eval-hf-reference {args.eval_hf_reference} is not a file")
     check_guard(args)
     if args.condition_size is not None and args.model not in CONDITIONED_MODELS:
         raise UserError(f"--condition-size applies to conditioned models ({', '.join(CONDITIONED_MODELS)}), "
@@ -361,7 +382,7 @@ RESUMABLE_FLAGS = ("exp_name", "preset", "track", "wandb_project", "dtype", "cac
                    "epochs", "batch_size", "learning_rate", "lr_schedule", "lr_warmup_steps", "weight_decay",
                    "max_grad_norm", "ema", "ema_decay", "gradient_checkpointing", "reward_device", "reward_workers",
                    "sequence_parallel", "peak_tflops", "eval_every", "eval_num_prompts", "eval_seeds",
-                   "eval_num_steps", "save_every", "keep_checkpoints", "offload_trajectories",
+                   "eval_num_steps", "eval_hf_reference", "save_every", "keep_checkpoints", "offload_trajectories",
                    # the held-out judges and the guard watch the run; they change neither samples nor objective
                    "judge", "guard", "guard_patience", "guard_margin", "guard_kl_factor", "guard_kl_floor",
                    "guard_max_rollbacks")

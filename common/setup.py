@@ -26,12 +26,14 @@ from common.cluster import LOCK_FILE, exit_stopped, lock_output_dir, requested_s
 from common.data import check_conditions, load_prompts, prompts_digest, shard
 from common.distributed import (configure_backend, load_optimizer_state_dict, lora_state_dict, optimizer_state_dict,
                                 place_like, save_pretrained, staging_device, trainable)
-from common.evaluation import evaluate_prompts
+from common.evaluation import evaluate_prompts, load_hf_reference
 from common.flops import FlopCounter, default_peak_tflops
+from common.init_lora import init_lora_folder, load_init_lora, merge_init_lora
 from common.guard import Guard, prompt_gap_notes
 from common.models import ADAPTERS, load_adapter, resolve_model_path
 from common.parallel import (DataParallel, check_world, device_mesh, enable_sequence_parallel, models_with_plans,
                              plan_owner)
+from common.roles import TrainedRole, check_roles, load_roles_state, roles_state
 from common.scoring import RolloutScoring, check_audio_rewards, check_video_rewards
 from common.shadow import ReferencePolicy, ShadowPolicy
 from common.tracking import MetricsLog, check_finite, format_metrics
@@ -69,6 +71,7 @@ class Run:
     optimizer_steps: int = 0      # taken so far, this run and the ones it resumes
     flops: FlopCounter = field(default_factory=FlopCounter)  # the transformers' work, for tflops and mfu
     reward_columns: dict = field(default_factory=dict)  # the last score_epoch's named reward columns, all processes
+    roles: dict = field(default_factory=dict)  # name -> common.roles.TrainedRole: adapters trained beside "default"
     judges: list = field(default_factory=list)  # --judge: rewards scored at evaluation only (common.guard)
     guard: Guard | None = None   # --guard: acts on the judges at each evaluation
     guard_save: bool = False     # the guard asks `save` for this epoch's checkpoint (a judge's best, an event)
@@ -170,15 +173,18 @@ def _find_resume(args, output_dir: Path, rank: int, train_prompts: list):
     return checkpoint, skipped, False, notes
 
 
-def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bool = False,
-          cfg_free: bool = False) -> Run:
+def setup(args, rewards: list, shadows: tuple = (), reference_copy: bool = False,
+          cfg_free: bool = False, roles: dict | None = None) -> Run:
     """Build everything a script needs before its first epoch, resuming when asked.
 
     rewards: the loaded rewards (`rewards.load_run_rewards(args)`; `common.scoring.Reward`s), which the script
     hands in so that `common` never imports `rewards/` (rewards build on common, not the other way round); the
     judges among them (`Reward.judge`, --judge) are scored at evaluation only and watched by the guard.
     shadows: names of frozen policies that trail the trained one (ShadowPolicy: a second LoRA adapter, or a copy
-    when fully fine-tuning), made before `prepare` so DDP registers only the trained weights.
+    when fully fine-tuning), made before `prepare` so DDP registers only the trained weights; a (name, role) pair
+    trails a trained role's adapter instead.
+    roles: name -> common.roles.RoleOptimizer: LoRA adapters trained beside the run's own, each with its optimizer
+    (`run.roles`, common.roles; one process or DDP).
     reference_copy: the script compares with the reference policy; when fully fine-tuning that needs a frozen copy
     (with LoRA the reference is the same module with its adapters disabled, at no cost).
     cfg_free: the algorithm runs without classifier-free guidance, so true-CFG models sample at scale 1.
@@ -210,6 +216,8 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
     if cfg_free and true_cfg and args.guidance_scale is not None and args.guidance_scale > 1:
         raise UserError(f"{args.exp_name} is CFG-free: --guidance-scale {args.guidance_scale} would turn on true CFG "
                         f"for {args.model}; leave it unset (1.0)")
+    if roles:
+        check_roles(args, accelerator)
     _claim_output_dir(accelerator, output_dir)
     checkpoint, skipped, restart, notes = _find_resume(args, output_dir, rank, train_prompts)
 
@@ -238,6 +246,9 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
 
     # Full fine-tuning under FSDP2/DeepSpeed waits on the CPU until `prepare` (common.distributed.staging_device).
     transformer = adapter.transformer.to(staging_device(accelerator, args.full_finetune))
+    init_folder = init_lora_folder(args.init_lora, args.model) if args.init_lora else None
+    if init_folder is not None and args.merge_init_lora:  # the merged model is the base: the reference, the copies
+        merge_init_lora(transformer, init_folder)
     frozen_copy = None
     if args.full_finetune:
         if reference_copy:  # a frozen copy is the only reference a full fine-tune has
@@ -247,17 +258,23 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
     else:
         add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_target_modules,
                  adapter.unused_modules(transformer))
+        if init_folder is not None and not args.merge_init_lora:
+            load_init_lora(transformer, init_folder, args.lora_rank, args.lora_alpha)
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     params = trainable_parameters(transformer)
-    shadow_policies = {name: ShadowPolicy(adapter, transformer, name, args.full_finetune) for name in shadows}
+    total_steps = args.epochs * args.updates_per_epoch
+    trained_roles = {name: TrainedRole(adapter, transformer, name, spec, args.weight_decay, args.lr_schedule,
+                                       args.lr_warmup_steps, total_steps) for name, spec in (roles or {}).items()}
+    shadow_policies = {name: ShadowPolicy(adapter, transformer, name, args.full_finetune, source)
+                       for name, source in (s if isinstance(s, tuple) else (s, "default") for s in shadows)}
     if data.degree > 1:  # after LoRA and the copies: peft replaces the layers its hooks sit on, deepcopy drops them
         for module in (transformer, frozen_copy, *(getattr(s, "module", None) for s in shadow_policies.values())):
             if module is not None:
                 enable_sequence_parallel(module, data.mesh, data.degree, accelerator.device)
     lr = args.learning_rate or (1e-5 if args.full_finetune else 3e-4)
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
-    scheduler = lr_scheduler(optimizer, args.lr_schedule, args.lr_warmup_steps, args.epochs * args.updates_per_epoch)
+    scheduler = lr_scheduler(optimizer, args.lr_schedule, args.lr_warmup_steps, total_steps)
     transformer, optimizer = accelerator.prepare(transformer, optimizer)
     adapter.transformer = transformer  # rollout and training run the same (wrapped) module
     unwrapped = accelerator.unwrap_model(transformer)
@@ -269,7 +286,7 @@ def setup(args, rewards: list, shadows: tuple[str, ...] = (), reference_copy: bo
     run = Run(args, accelerator, adapter, transformer, unwrapped, params, optimizer, scheduler, reference,
               shadow_policies, ema, encode, rewards, train_prompts, test_prompts,
               adapter.sigmas(args.num_steps), guidance, output_dir, MetricsLog(output_dir, accelerator), local=local,
-              data=data, judges=judges)
+              data=data, judges=judges, roles=trained_roles)
     if guard_mode != "off":
         run.guard = Guard([j.name for j in judges], guard_mode, args.guard_patience, args.guard_margin)
     # Every transformer a script runs: the trained one, a frozen reference copy, the shadows' copies.
@@ -337,6 +354,7 @@ def _load_state(run: Run, checkpoint) -> None:
         run.ema.load_state_dict(states["ema"])
     for name, shadow in run.shadows.items():
         shadow.load_state_dict(states[name])
+    load_roles_state(run.roles, states, checkpoint.folder)
     restore_rng(checkpoint.rng)
     run.optimizer_steps = checkpoint.meta.get("optimizer_steps",
                                               (checkpoint.meta["epoch"] + 1) * run.args.updates_per_epoch)
@@ -419,7 +437,8 @@ def evaluate(run: Run, epoch: int) -> dict:
         metrics = evaluate_prompts(run.adapter, run.data, run.encode, run.rewards + run.judges,
                                    run.test_prompts[: args.eval_num_prompts], args.eval_seeds,
                                    args.eval_num_steps or args.num_steps, args.batch_size, run.guidance, grid,
-                                   max(epoch, 0), prompt_gap=epoch < 0)
+                                   max(epoch, 0), prompt_gap=epoch < 0,
+                                   hf_reference=load_hf_reference(args.eval_hf_reference))
     _guard_acts(run, epoch, metrics)
     return metrics
 
@@ -517,6 +536,7 @@ def save(run: Run, epoch: int, meta: dict | None = None) -> None:
     if run.ema is not None:
         states["ema"] = run.ema.state_dict()
     states.update({name: shadow.state_dict() for name, shadow in run.shadows.items()})
+    states.update(roles_state(run.roles))
 
     def write_weights(folder, state):  # state: the full state dict, gathered by save_checkpoint
         if args.full_finetune:

@@ -39,10 +39,12 @@ class ReferencePolicy:
 
 
 class ShadowPolicy:
-    def __init__(self, adapter, transformer, name: str, full_finetune: bool):
+    def __init__(self, adapter, transformer, name: str, full_finetune: bool, source: str = "default"):
         """`transformer`: the unwrapped module holding the trained weights (LoRA adapter "default" already added).
-        The shadow starts equal to the trained weights."""
+        The shadow starts equal to the trained weights. `source`: the LoRA adapter it trails (another trained role's,
+        common.roles; "default": the run's own)."""
         self.adapter, self.transformer, self.name, self.full_finetune = adapter, transformer, name, full_finetune
+        self.source = source
         if full_finetune:
             self.module = copy.deepcopy(transformer).requires_grad_(False)
             self.keys = [k for k, p in transformer.named_parameters() if p.requires_grad]
@@ -51,9 +53,9 @@ class ShadowPolicy:
             # back (peft's set_adapter also gives requires_grad back to "default" and takes it from the shadow).
             with warnings.catch_warnings():  # peft warns that a second adapter is being added: intended here
                 warnings.simplefilter("ignore")
-                transformer.add_adapter(copy.deepcopy(transformer.peft_config["default"]), adapter_name=name)
+                transformer.add_adapter(copy.deepcopy(transformer.peft_config[source]), adapter_name=name)
             transformer.set_adapter("default")
-            self.keys = [k for k, _ in transformer.named_parameters() if ".default." in k]
+            self.keys = [k for k, _ in transformer.named_parameters() if f".{source}." in k]
         with torch.no_grad():
             for s, p in self.pairs:
                 s.data = p.detach().float().clone()
@@ -65,7 +67,7 @@ class ShadowPolicy:
         reshard(self.transformer)
         trained = named_parameters(self.transformer)
         if not self.full_finetune:
-            pairs = [(trained[k.replace(".default.", f".{self.name}.")], trained[k]) for k in self.keys]
+            pairs = [(trained[k.replace(f".{self.source}.", f".{self.name}.")], trained[k]) for k in self.keys]
             for s, _ in pairs:
                 if s.dtype != torch.float32:  # DeepSpeed bf16 casts the whole module, this adapter too: a blend
                     s.data = s.data.float()   # with decay near 1 would move it by less than one bf16 step

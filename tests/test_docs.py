@@ -17,7 +17,11 @@ NAME_IN_STEP = re.compile(r"`(?P<name>[A-Za-z_][\w.]*)(?:\([^`]*\))?` in " + STE
 # any other code name: `name`, `name(...)`, `object.name`; what holds an underscore, a dot or a call is code
 NAME = re.compile(r"`(?P<name>[A-Za-z_][\w.]*)(?P<call>\([^`]*\))?`")
 # names of the reference implementations' code or configs (not ours), and metric names built from a teacher's name
-NOT_OURS = {"ref_update_step", "clip_kl", "weight_temp", "kl_base"}
+NOT_OURS = {"ref_update_step", "clip_kl", "weight_temp", "kl_base",
+            # TDM-R1's, TDM's and Flow-Factory's (algorithms.md §9)
+            "inv_convert", "t_min_dgpo", "t_min_dgpo_reward", "tdm_fake_loss", "reg_threshold", "use_tweight",
+            "rl_cfg", "trunc_steps", "coop_samples", "TDM_R1_DEFAULT_OPTIMIZERS", "ema_decay_g", "lora_remap",
+            "use_ada_weight"}
 LINE_NUMBER = re.compile(r"\blines?\s+\d+")
 
 

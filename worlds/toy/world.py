@@ -33,9 +33,11 @@ SPLIT_SEED = 0
 
 # The flags that put a script in the toy world, shared by every script's `toy` preset: the shipped model, its prompt
 # split, the exact reward (mean of the five checks), and evaluation on all 36 held-out prompts × 4 seeds (one seed
-# per prompt moves the strict success by ±0.05 by noise alone).
+# per prompt moves the strict success by ±0.05 by noise alone), with the blur ratio to the shipped model at 8 Euler
+# steps (data/toy/teacher_hf.json; docs/toy-world.md).
 TOY_WORLD = dict(model_path="toy", dataset=str(TOY_DIR), reward=["toy"], resolution=RESOLUTION,
-                 max_sequence_length=MAX_SEQUENCE_LENGTH, eval_num_prompts=36, eval_seeds=4, eval_num_steps=8)
+                 max_sequence_length=MAX_SEQUENCE_LENGTH, eval_num_prompts=36, eval_seeds=4, eval_num_steps=8,
+                 eval_hf_reference=str(TOY_DIR / "teacher_hf.json"))
 
 # Centre hue (degrees) of each colour as drawn; worlds/toy/reward.py classifies hues into windows around these.
 HUES = {"red": 0.0, "yellow": 55.0, "green": 120.0, "blue": 225.0}
