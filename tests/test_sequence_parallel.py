@@ -83,27 +83,34 @@ def test_a_split_grpo_run_calls_each_reward_once_per_sample(tmp_path):
     lines = [json.loads(line) for line in (calls / "calls_rank0.jsonl").read_text().splitlines()]
     scores = [score for line in lines for score in line["scores"]]
     (metrics,) = read_metrics(tmp_path / "run")
-    assert len(scores) == 2 + metrics["samples_seen"] + 2  # the evaluation before training, the epoch, the one after
-    assert metrics["reward_mean"] == pytest.approx(np.mean(scores[2:-2]), rel=1e-12)
+    # the evaluation before training (its 2 samples, then each against the other prompt: the prompt gap), the epoch,
+    # the evaluation after it
+    assert len(scores) == 2 + 2 + metrics["samples_seen"] + 2
+    assert metrics["reward_mean"] == pytest.approx(np.mean(scores[4:-2]), rel=1e-12)
 
 
 @SLOW
 def test_grpo_run_equals_the_one_process_run(tmp_path):
-    """Two processes of one group (one data-parallel rank) draw, score and train what one process does. lr 3e-3, not
-    the preset's 3e-2: Adam's first steps have a size set by lr alone, and at 3e-2 the float32 rounding of the split
-    sums (~1e-7) turns into a few changed bytes of the JPEG reward by epoch 1; here every key agrees to 1e-3."""
-    args = ["--preset", "tiny", "--epochs", "2", "--eval-every", "1", "--eval-num-prompts", "2", "--learning-rate",
-            "3e-3"]
-    run_script("algos/grpo.py", *args, "--output-dir", tmp_path / "one")
-    run_script("algos/grpo.py", *args, "--sequence-parallel", "2", "--gradient-checkpointing", "--output-dir",
-               tmp_path / "split", launcher=ACCELERATE_2CPU)  # checkpointing recomputes the split blocks: the same
-    one, split = read_metrics(tmp_path / "one", base=True), read_metrics(tmp_path / "split", base=True)
+    """Two processes of one group (one data-parallel rank) draw, score and train what one process does, up to the
+    float32 rounding of the split attention sums (~1e-7). The reward is a continuous one (mean brightness): the
+    preset's JPEG size turns such rounding into whole changed bytes, a difference of the reward, not of the runs."""
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    runs = {}
+    for name, launch in [("one", []), ("split", ["--sequence-parallel", "2", "--gradient-checkpointing"])]:
+        (tmp_path / f"calls_{name}").mkdir()
+        run_script("algos/grpo.py", "--preset", "tiny", "--epochs", "2", "--eval-every", "1", "--eval-num-prompts", "2",
+                   "--learning-rate", "3e-3", "--reward", f"sp_scoring:CountedBrightness,folder={tmp_path}/calls_{name}",
+                   *launch, "--output-dir", tmp_path / name, env=env, launcher=ACCELERATE_2CPU if launch else None)
+        runs[name] = read_metrics(tmp_path / name, base=True)  # checkpointing recomputes the split blocks: the same
+    one, split = runs["one"], runs["split"]
     assert [m["epoch"] for m in split] == [-1, 0, 1] and all(m.get("num_processes", 2) == 2 for m in split)
     for a, b in zip(one, split):
         assert set(a) == set(b)
         for key in set(a) - SKIP:
-            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-9), (a["epoch"], key)
-    assert one[1]["reward_mean"] == split[1]["reward_mean"]  # before any update: the same rollouts, bit for bit
+            # the loss is a mean of advantages that sum to zero (times ratios ~1): its size is its rounding's
+            near_zero = 1e-7 if key in ("loss", "policy_loss") else 1e-12
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=near_zero), (a["epoch"], key)
+    assert split[1]["reward_mean"] == pytest.approx(one[1]["reward_mean"], rel=1e-8)  # before any update
 
 
 def test_refusals_before_anything_is_written(tmp_path):
