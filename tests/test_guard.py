@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.guard import Guard, judge_key, prompt_gap_notes
-from conftest import REPO, SLOW, read_metrics, run_script, script_error
+from conftest import ACCELERATE_2CPU, REPO, SLOW, read_metrics, run_script, script_error
 
 
 def evaluation(reward: float, **judges) -> dict:
@@ -275,3 +275,19 @@ def test_prompt_gap_separates_rewards_that_follow_the_prompt(toy_clip):
     assert len(notes) == 2 and "'aesthetic'" in notes[0] and "'jpeg_compressibility'" in notes[1]
     # the gap is mean(own) − mean(shuffled), paired: own is the evaluation's own mean
     assert metrics["eval_reward_toy"] - metrics["prompt_gap_toy"] < metrics["eval_reward_toy"]
+
+
+@SLOW
+def test_rollback_on_two_processes(tmp_path):
+    """The guard acts the same on every process (each has the gathered evaluation): both roll back to the best
+    checkpoint, each from its own rng file, and training goes on under DDP."""
+    out = tmp_path / "run"
+    run_script("algos/grpo.py", *HACK, "--epochs", "6", "--guard", "rollback", "--guard-patience", "1",
+               "--guard-max-rollbacks", "5", "--keep-checkpoints", "20", "--output-dir", out, launcher=ACCELERATE_2CPU)
+    lines = read_metrics(out)
+    rolled = [m for m in lines if "guard_rollbacks" in m]
+    assert rolled and lines[-1]["epoch"] == 5 and lines[-1]["num_processes"] == 2
+    event = meta(out / "checkpoints" / f"epoch_{rolled[0]['epoch']:06d}")["guard"]["events"][0]
+    after, best = (out / "checkpoints" / f"epoch_{e:06d}" for e in (rolled[0]["epoch"], event["best_epoch"]))
+    for name in ("training_state.pt", "rng_0.pt", "rng_1.pt"):
+        assert _equal(*(torch.load(f / name, weights_only=True) for f in (after, best))), name
