@@ -16,15 +16,14 @@ the default adapter's too, before `common.setup.optimizer_step`). FSDP2, DeepSpe
 fine-tuning are refused (`check_roles`)."""
 
 import copy
-import math
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from common.training import lr_scheduler
-from common.utils import RunStopped, UserError
+from common.training import apply_step, lr_scheduler
+from common.utils import UserError
 
 
 @dataclass
@@ -89,12 +88,7 @@ class TrainedRole:
         Returns the gradient norm before clipping; a non-finite one stops the run before the weights change."""
         all_reduce_gradients(accelerator, self.params)
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.spec.max_grad_norm))
-        if not math.isfinite(norm):
-            raise RunStopped(f"epoch {epoch}: the {self.name} gradient norm is {norm}; stopping before the optimizer "
-                             f"step (the last checkpoint is intact)")
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        apply_step(norm, self.optimizer, self.scheduler, epoch, f"the {self.name} gradient norm")
         self.steps += 1
         return norm
 

@@ -37,7 +37,7 @@ from common.roles import TrainedRole, check_roles, load_roles_state, roles_state
 from common.scoring import RolloutScoring, check_audio_rewards, check_video_rewards
 from common.shadow import ReferencePolicy, ShadowPolicy
 from common.tracking import MetricsLog, check_finite, format_metrics
-from common.training import EMA, add_lora, full_finetune_parameters, lr_scheduler, trainable_parameters
+from common.training import EMA, add_lora, apply_step, full_finetune_parameters, lr_scheduler, trainable_parameters
 from common.utils import RunStopped, UserError, peak_memory_gb, resolve_dtype
 
 
@@ -364,12 +364,7 @@ def optimizer_step(run: Run, epoch: int) -> float:
     """Clip, check and apply the accumulated gradients; step the learning-rate schedule and the EMA. Returns the
     gradient norm before clipping. A non-finite norm stops the run before the weights change."""
     grad_norm = float(run.accelerator.clip_grad_norm_(run.params, run.args.max_grad_norm))
-    if not torch.isfinite(torch.tensor(grad_norm)):
-        raise RunStopped(f"epoch {epoch}: the gradient norm is {grad_norm}; stopping before the optimizer step "
-                         f"(the last checkpoint is intact)")
-    run.optimizer.step()
-    run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
+    apply_step(grad_norm, run.optimizer, run.scheduler, epoch)
     run.optimizer_steps += 1
     if run.ema is not None:
         run.ema.update()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from common.distributed import copy_full_, full_tensor, reshard
-from common.utils import UserError
+from common.utils import RunStopped, UserError
 
 
 def add_lora(transformer, rank: int, alpha: float, target_modules: list[str], unused: list[str] = ()) -> None:
@@ -154,6 +154,17 @@ def rollout_micro_batches(local_count: int, batch_size: int, updates: int) -> li
     check_updates_per_epoch(updates, local_count)
     plan = plan_micro_batches(torch.ones(local_count, dtype=torch.bool), 1, 0, batch_size, updates)
     return [mb.index for update in plan for mb in update]
+
+
+def apply_step(grad_norm: float, optimizer, scheduler, epoch: int, what: str = "the gradient norm") -> None:
+    """Step the optimizer and its schedule on gradients already clipped to `grad_norm`, then zero them; a non-finite
+    norm stops the run first, before the weights change (so the last checkpoint stays the state to resume)."""
+    if not math.isfinite(grad_norm):
+        raise RunStopped(f"epoch {epoch}: {what} is {grad_norm}; stopping before the optimizer step (the last "
+                         f"checkpoint is intact)")
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def lr_scheduler(optimizer, schedule: str, warmup_steps: int, total_steps: int):

@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from common.utils import RunStopped
 from conftest import ACCELERATE_2CPU, REPO, SLOW, read_metrics, run_script, script_error
 
 
@@ -376,6 +377,14 @@ def test_each_roles_gradient_reaches_only_its_own_adapter(tiny_flux_path):
     assert all(torch.equal(a, p) for a, p in zip(before["surrogate"], roles["surrogate"].params))
     assert all(torch.equal(a, p) for a, p in zip(generator_before, generator))
     assert all(p.grad is None for p in roles["fake"].params) and roles["fake"].steps == 1
+    # a non-finite gradient stops the run, naming the role, before its weights or its schedule change
+    with roles["surrogate"].trained():
+        (adapter.velocity(x, sigma, cond, 1.0).sum() * float("nan")).backward()
+    lr = roles["surrogate"].scheduler.get_last_lr()
+    with pytest.raises(RunStopped, match="^epoch 3: the surrogate gradient norm is nan; stopping before the optimizer"):
+        roles["surrogate"].step(SimpleNamespace(num_processes=1), 3)
+    assert all(torch.equal(a, p) for a, p in zip(before["surrogate"], roles["surrogate"].params))
+    assert roles["surrogate"].scheduler.get_last_lr() == lr and roles["surrogate"].steps == 0
 
 
 # ---- 1. and end to end on the tiny FLUX.1 ----------------------------------------------------------------------
