@@ -23,7 +23,7 @@ from common.models import ADAPTERS
 from common.sampling import sample, sample_generators
 from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
                           setup, start_scoring)
-from common.timesampling import sample_train_noise, training_generators, training_seeds
+from common.timesampling import group_noise, groups_per_micro_batch, training_seeds
 from common.training import plan_micro_batches, rollout_micro_batches
 from common.utils import UserError
 from rewards import load_run_rewards
@@ -129,20 +129,8 @@ def dgpo_loss(loss_theta, loss_ref, advantages, groups, beta_dpo: float, group_s
     return weight.to(loss_theta.dtype) * advantages * loss_theta, weight, logit
 
 
-def group_noise(seeds, groups: torch.Tensor, num_train: int, like: torch.Tensor) -> torch.Tensor:
-    """(B, num_train, ...) float32 ε's of a micro-batch whose samples belong to `groups` (their positions in the
-    epoch's draw): each group draws from its own generator, seeded by seeds[group], and its members share the
-    draw; every trained step gets a new ε. A function of (seed, epoch, group) only, not of the micro-batch."""
-    members, inverse = torch.unique(groups, return_inverse=True)
-    noise = sample_train_noise(num_train, training_generators([seeds[int(g)] for g in members]), like)
-    return noise[inverse.to(noise.device)]
 
 
-def groups_per_micro_batch(local_groups: int, group_size: int, batch_size: int) -> int:
-    """The most whole groups that fit a micro-batch of batch_size (at least one) and divide this process's
-    groups evenly, so that every micro-batch holds the same number of whole groups."""
-    fits = [d for d in range(1, local_groups + 1) if local_groups % d == 0 and d * group_size <= batch_size]
-    return max(fits, default=1)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,11 @@
 # on the generator's rollouts; its log-ratio to the teacher is a third correction. With --no-rl it is plain TDM: the
 # same script distils the few-step student that TDM-R1 then starts from.
 # Papers: TDM-R1, arXiv:2603.07700; TDM, arXiv:2503.06674. Followed: the authors' training code (Luo-Yihong/TDM-R1).
-# Copied from dgpo.py: `dgpo_loss`, `dsm_clip`, `group_noise` and the whole-group micro-batches train the surrogate
-# unchanged. Differs: three trained LoRA adapters on one base (generator, fake score, surrogate; common.roles), the
-# stored N-step Euler trajectory, re-noising to query times above each step, the revised-x0 generator loss, one
-# optimizer step per role per epoch in the order fake, surrogate, generator. Math: docs/algorithms.md §9.
-import math
+# Copied from dgpo.py: `dgpo_loss`, `dsm_clip` and the whole-group micro-batches (common.timesampling) train the
+# surrogate unchanged. Differs: three trained LoRA adapters on one base (generator, fake score, surrogate;
+# common.roles), the stored N-step Euler trajectory, re-noising to query times above each step (common.renoising),
+# the revised-x0 generator loss, one optimizer step per role per epoch in the order fake, surrogate, generator.
+# Math: docs/algorithms.md §9.
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,17 +19,19 @@ import torch
 from tqdm import tqdm
 
 from common.advantages import compute_advantages
-from common.cli import TrainArgs, check_args, parse_args
+from common.cli import TrainArgs, check_args, check_ranges, parse_args
 from common.data import epoch_samples
 from common.models import ADAPTERS
 from common.roles import RoleOptimizer, all_reduce_gradients, role_backward
 from common.sampling import sample_generators
 from common.setup import (epoch_metrics, evaluate, evaluate_base, finish, log_epoch, optimizer_step, save, score_epoch,
                           setup, start_scoring)
-from common.timesampling import sample_train_noise, training_generators
+from common.renoising import per_sample, query_sigma, renoise, schedule_shift, surrogate_target
+from common.timesampling import group_noise, group_uniform, groups_per_micro_batch
 from common.training import plan_micro_batches, rollout_micro_batches
 from common.utils import UserError
 from rewards import load_run_rewards
+from recipes.tdmr1_authors import TDMR1
 from worlds import TOY_WORLD
 
 
@@ -135,34 +137,7 @@ PRESETS = {
                  group_size=4, batch_size=8, num_steps=3, train_steps=2, lora_rank=8, lora_alpha=8,
                  learning_rate=1e-2, fake_learning_rate=4e-2, surrogate_learning_rate=4e-2, beta_pref=2.0,
                  global_std=False, eval_every=15, eval_num_prompts=8, save_every=15),
-    # The authors' OCR setting (config/tdmr1_clean.py `general_ocr_sd3_8gpu_G24_4step`, 8 GPUs): SD3.5-M at 512 px,
-    # 4 steps, 48 prompts × 24, 2 of 4 steps trained, β_pref 10, t_min = t′_min 0.3, w_S 4.5, LoRA r32/α64. The
-    # generator starts from the released TDM SD3.5 LoRA: pass it as --init-lora (converted to the diffusers format).
-    "sd3-ocr": dict(model="sd3", reward=["ocr"], resolution=512, num_steps=4, group_size=24, prompts_per_epoch=48,
-                    batch_size=24, train_steps=2, rl_steps=4, tdm_weight=0.3, teacher_cfg=4.5, cfg_reward_scale=3.5,
-                    surrogate_cfg=4.5, reward_tmin=0.3, surrogate_tmin=0.3, beta_pref=10.0, beta_ref=1e-3,
-                    clip_range=1e-3, runaway_threshold=0.05, lora_rank=32, lora_alpha=64, learning_rate=7.5e-5,
-                    fake_learning_rate=3e-4, surrogate_learning_rate=3e-4, global_std=True,
-                    gradient_checkpointing=True, epochs=1000, eval_every=20, save_every=20),
-    # The authors' GenEval setting (launcher tdmr1_geneval.sh): OCR's with β_pref 1, t_min 0.25, t′_min 0.55, w_S 2.5.
-    # GenEval is scored by its detector pipeline, which is not a reward here: give --reward (e.g. a VLM judge).
-    "sd3-geneval": dict(model="sd3", resolution=512, num_steps=4, group_size=24, prompts_per_epoch=48,
-                        batch_size=24, train_steps=2, rl_steps=4, tdm_weight=0.3, teacher_cfg=4.5,
-                        cfg_reward_scale=3.5, surrogate_cfg=2.5, reward_tmin=0.25, surrogate_tmin=0.55, beta_pref=1.0,
-                        beta_ref=1e-3, clip_range=1e-3, runaway_threshold=0.05, lora_rank=32, lora_alpha=64,
-                        learning_rate=7.5e-5, fake_learning_rate=3e-4, surrogate_learning_rate=3e-4, global_std=True,
-                        gradient_checkpointing=True, epochs=1000, eval_every=20, save_every=20),
-    # Z-Image-Turbo (this project's z-image default), untested: the OCR setting on a model that is already step- and
-    # guidance-distilled, so the generator starts from Turbo itself and the teacher is Turbo too (no --init-lora); it
-    # samples CFG-free, so λ 0 and w_R = w_S = 1, as on FLUX.1. 4 steps as the authors' released Z-Image model
-    # (README: 4 forwards); Turbo's own pipeline default is 8.
-    "z-image-turbo": dict(model="z-image", reward=["ocr"], resolution=1024, num_steps=4, group_size=24,
-                          prompts_per_epoch=48, batch_size=8, train_steps=2, rl_steps=4, tdm_weight=0.3,
-                          teacher_cfg=1.0, cfg_reward_scale=0.0, surrogate_cfg=1.0, reward_tmin=0.3,
-                          surrogate_tmin=0.3, beta_pref=10.0, beta_ref=1e-3, clip_range=1e-3, runaway_threshold=0.05,
-                          lora_rank=32, lora_alpha=64, learning_rate=7.5e-5, fake_learning_rate=3e-4,
-                          surrogate_learning_rate=3e-4, global_std=True, gradient_checkpointing=True, epochs=1000,
-                          eval_every=20, save_every=20),
+    **TDMR1,  # the authors' SD3.5-M OCR and GenEval launchers, and Z-Image-Turbo (recipes/tdmr1_authors.py)
 }
 
 # Stream tags: every random draw of an epoch has its own seed stream, indexed by group or by sample position.
@@ -175,28 +150,10 @@ def stream_seeds(seed: int, epoch: int, count: int, *tags: int) -> list[int]:
     return np.random.default_rng([seed, epoch, 0x7D41, *tags]).integers(0, 2**62, size=count).tolist()
 
 
-def group_uniform(seeds, groups: torch.Tensor) -> torch.Tensor:
-    """(B,) float64 U ~ U[0, 1), one per group (`groups`: positions in the epoch's draw), shared by its members."""
-    members, inverse = torch.unique(groups, return_inverse=True)
-    draws = torch.cat([torch.rand(1, generator=g, dtype=torch.float64)
-                       for g in training_generators([seeds[int(m)] for m in members])])
-    return draws[inverse]
 
 
-def group_noise(seeds, groups: torch.Tensor, num_train: int, like: torch.Tensor) -> torch.Tensor:
-    """(B, num_train, ...) float32 ε's of a micro-batch whose samples belong to `groups` (their positions in the
-    epoch's draw): each group draws from its own generator, seeded by seeds[group], and its members share the
-    draw; every trained step gets a new ε. A function of (seed, epoch, group) only, not of the micro-batch."""
-    members, inverse = torch.unique(groups, return_inverse=True)
-    noise = sample_train_noise(num_train, training_generators([seeds[int(g)] for g in members]), like)
-    return noise[inverse.to(noise.device)]
 
 
-def groups_per_micro_batch(local_groups: int, group_size: int, batch_size: int) -> int:
-    """The most whole groups that fit a micro-batch of batch_size (at least one) and divide this process's
-    groups evenly, so that every micro-batch holds the same number of whole groups."""
-    fits = [d for d in range(1, local_groups + 1) if local_groups % d == 0 and d * group_size <= batch_size]
-    return max(fits, default=1)
 
 
 def trained_steps(seed: int, epoch: int, group: int, num_steps: int, count: int, fake_pass: int = 0) -> list[int]:
@@ -212,61 +169,6 @@ def surrogate_step(seed: int, epoch: int, group: int, position: int, num_steps: 
     weights = np.arange(1, num_steps + 1, dtype=np.float64)
     return int(np.random.default_rng([seed, epoch, 0x7D43, group, position]).choice(num_steps,
                                                                                       p=weights / weights.sum()))
-
-
-def schedule_shift(adapter, num_steps: int) -> float:
-    """s of the rollout schedule as φ(u) = s·u/(1 + (s − 1)·u): the scheduler's static shift, or, for
-    resolution-dependent shifting, e^μ (FLUX's exponential shift at this resolution, whose rational form this is;
-    μ itself for a linear one), μ read off the call the pipeline's schedule makes."""
-    scheduler = adapter.scheduler
-    config = scheduler.config
-    if not config.get("use_dynamic_shifting", False):
-        return float(config.get("shift", 1.0))
-    seen, original = [], scheduler.time_shift
-    scheduler.time_shift = lambda mu, sigma, t: (seen.append(mu), original(mu, sigma, t))[1]
-    try:
-        adapter.sigmas(num_steps)
-    finally:
-        del scheduler.time_shift
-    return math.exp(seen[0]) if config.get("time_shift_type", "exponential") == "exponential" else float(seen[0])
-
-
-def shift_time(u, shift: float):
-    """φ(u) = s·u/(1 + (s − 1)·u): unshifted time to σ."""
-    return shift * u / (1 + (shift - 1) * u)
-
-
-def unshift_time(sigma, shift: float):
-    """φ⁻¹(σ) = σ/(s − (s − 1)·σ)."""
-    return sigma / (shift - (shift - 1) * sigma)
-
-
-def query_sigma(sigma_lo, uniform, shift: float, margin: float):
-    """σ_q = φ(u₀ + U·(1 − u₀)), u₀ = φ⁻¹(σ_lo) + margin: uniform in unshifted time between just above the
-    boundary state's σ and pure noise (below 1, where the surrogate target divides by 1 − σ_q)."""
-    start = (unshift_time(sigma_lo, shift) + margin).clamp(max=1.0)
-    return shift_time(start + uniform * (1 - start), shift).clamp(max=1 - 1e-6)
-
-
-def per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """(B,) broadcast against a (B, ...) tensor."""
-    return values.to(like.dtype).view(-1, *[1] * (like.ndim - 1))
-
-
-def renoise(y, sigma_n, sigma_q, noise):
-    """The flow's forward transition q(x_q | y) from σ_n up to σ_q > σ_n: x_q = α·y + β·ξ with
-    α = (1 − σ_q)/(1 − σ_n), β = √(σ_q² − α²·σ_n²), so a y = (1 − σ_n)·x0 + σ_n·ε lands at
-    (1 − σ_q)·x0 + noise of std σ_q. σ's (B,). Returns (x_q, α (B,), β (B,))."""
-    sigma_n, sigma_q = torch.as_tensor(sigma_n, dtype=sigma_q.dtype).expand_as(sigma_q), sigma_q
-    alpha = (1 - sigma_q) / (1 - sigma_n)
-    beta = (sigma_q ** 2 - alpha ** 2 * sigma_n ** 2).clamp_min(0).sqrt()
-    return per_sample(alpha, y) * y + per_sample(beta, y) * noise, alpha, beta
-
-
-def surrogate_target(x_q, noise, beta, sigma_q):
-    """u_S = (σ_q·ξ/β − x_q)/(1 − σ_q): the velocity implied by q(x_q | y)'s conditional score −ξ/β (for σ_n = 0,
-    ξ − y: the flow-matching target)."""
-    return (per_sample(sigma_q / beta, x_q) * noise - x_q) / per_sample(1 - sigma_q, x_q)
 
 
 def mse(a, b):
@@ -381,19 +283,10 @@ def check_tdmr1_args(args) -> None:
                         f"{args.train_steps}")
     if args.rl_steps is not None and not 0 <= args.rl_steps <= args.num_steps:
         raise UserError(f"--rl-steps must be in [0, {args.num_steps}], got {args.rl_steps}")
-    for name in ("reward_tmin", "surrogate_tmin", "query_margin", "fake_beta1", "generator_beta1",
-                 "surrogate_beta1"):
-        if not 0 <= getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
-    for name in ("tdm_weight", "surrogate_old_max_decay"):
-        if not 0 <= getattr(args, name) <= 1:
-            raise UserError(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
-    for name in ("fake_learning_rate", "surrogate_learning_rate", "beta_pref", "clip_range"):
-        if not getattr(args, name) > 0:
-            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ("fake_teacher_weight", "beta_ref", "runaway_threshold", "surrogate_old_decay_rate"):
-        if getattr(args, name) < 0:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    check_ranges(args, unit=("reward_tmin", "surrogate_tmin", "query_margin", "fake_beta1", "generator_beta1",
+                             "surrogate_beta1"), unit_closed=("tdm_weight", "surrogate_old_max_decay"),
+                 positive=("fake_learning_rate", "surrogate_learning_rate", "beta_pref", "clip_range"),
+                 non_negative=("fake_teacher_weight", "beta_ref", "runaway_threshold", "surrogate_old_decay_rate"))
     if args.fake_updates < 1:
         raise UserError(f"--fake-updates must be at least 1, got {args.fake_updates}")
     if args.query_shift is not None and not args.query_shift > 0:
@@ -451,6 +344,10 @@ if __name__ == "__main__":
     group_index = positions // size
     train_batch = size * groups_per_micro_batch(local_count // size, size, args.batch_size)
     num_groups, num_samples = args.prompts_per_epoch, args.prompts_per_epoch * size
+
+    def note(**values):  # (B,) or scalar tensors: each one's mean, detached, into this epoch's `stats`
+        for key, value in values.items():
+            stats[key].append(value.detach().float().mean())
 
     evaluate_base(run)  # the untrained generator, logged as epoch −1 (a resumed run has it)
     bar = tqdm(range(run.start_epoch, args.epochs), disable=not run.accelerator.is_main_process, desc="tdmr1")
@@ -536,8 +433,7 @@ if __name__ == "__main__":
                         v_fake = adapter.velocity(x_tau, sigma_tau, c, plain)
                         loss_fake = fake_loss(v_fake, target, v_ref, args.fake_teacher_weight)
                         run.accelerator.backward((weight * loss_fake).sum() / num_train)
-                    stats["fake_loss"].append(loss_fake.detach().mean())
-                    stats["fake_dsm_loss"].append(mse(v_fake.detach(), target).mean())
+                    note(fake_loss=loss_fake, fake_dsm_loss=mse(v_fake.detach(), target))
                     stats["replay_error"].append((x_bar - x_next).abs().max())
                     if extra:
                         continue
@@ -562,15 +458,10 @@ if __name__ == "__main__":
                                 args.beta_ref, args.clip_range, args.runaway_threshold, args.surrogate_ema_ref,
                                 reduce=lambda anchor: run.data.reduce(anchor, "mean"))  # the gate's D: all processes
                             run.accelerator.backward((weight * loss_surrogate).sum() / num_train)
-                        with torch.no_grad():
-                            for key, value in (("surrogate_loss", loss_surrogate), ("surrogate_dsm_loss", part["loss_s"]),
-                                               ("surrogate_value_delta", part["loss_s"] - part["loss_ref"]),
-                                               ("pref_loss", part["pref"]), ("anchor", part["anchor"]),
-                                               ("group_weight_mean", part["group_weight"]),
-                                               ("clipfrac", part["clipped"].float()),
-                                               ("runaway_frac", part["runaway"].float()),
-                                               ("surrogate_drift", mse(v_s, v_old)), ("sigma_surrogate", sigma_s)):
-                                stats[key].append(value.float().mean())
+                        note(surrogate_loss=loss_surrogate, surrogate_dsm_loss=part["loss_s"],
+                             surrogate_value_delta=part["loss_s"] - part["loss_ref"], pref_loss=part["pref"],
+                             anchor=part["anchor"], group_weight_mean=part["group_weight"], clipfrac=part["clipped"],
+                             runaway_frac=part["runaway"], surrogate_drift=mse(v_s, v_old), sigma_surrogate=sigma_s)
 
                     # -- generator loss at j: revised-x0 terms towards the teacher (TDM), its CFG, the learned reward
                     u = group_uniform(stream_seeds(args.seed, epoch, num_groups, GEN_QUERY, j), groups)
@@ -609,14 +500,9 @@ if __name__ == "__main__":
                             x0, c_kl, c_cfg, c_reward if reward_step else None, norm, norm_s if reward_step else None,
                             args.tdm_weight, mode)
                         run.accelerator.backward((weight * loss).sum() / num_train)
-                    with torch.no_grad():
-                        for key, value in (("loss", loss), ("tdm_term", tdm_term), ("cfg_term", cfg_term),
-                                           ("norm", norm), ("sigma_tau", sigma_tau)):
-                            stats[key].append(value.float().mean())
-                        if reward_step:
-                            for key, value in (("reward_term", reward_term), ("norm_surrogate", norm_s),
-                                               ("sigma_reward", sigma_r)):
-                                stats[key].append(value.float().mean())
+                    note(loss=loss, tdm_term=tdm_term, cfg_term=cfg_term, norm=norm, sigma_tau=sigma_tau)
+                    if reward_step:
+                        note(reward_term=reward_term, norm_surrogate=norm_s, sigma_reward=sigma_r)
             fake_norms.append(fake.step(run.accelerator, epoch))  # n − 1 fake-only steps, then the joint pass's
         surrogate_norm = decay = None
         if surrogate is not None:

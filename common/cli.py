@@ -311,15 +311,24 @@ def launched_data_ranks(args) -> int:
     return max(1, int(os.environ.get("WORLD_SIZE", "1")) // args.sequence_parallel)
 
 
+def check_ranges(args, unit=(), unit_closed=(), positive=(), non_negative=()) -> None:
+    """One line for the first flag outside its range: `unit` in [0, 1), `unit_closed` in [0, 1], `positive` > 0,
+    `non_negative` >= 0 (names of args' fields)."""
+    kinds = [(unit, lambda v: 0 <= v < 1, "in [0, 1)"), (unit_closed, lambda v: 0 <= v <= 1, "in [0, 1]"),
+             (positive, lambda v: v > 0, "positive"), (non_negative, lambda v: v >= 0, ">= 0")]
+    for names, holds, wanted in kinds:
+        for name in names:
+            if not holds(getattr(args, name)):
+                raise UserError(f"--{name.replace('_', '-')} must be {wanted}, got {getattr(args, name)}")
+
+
 def check_args(args) -> None:
     """One-line errors for values no run can use (the scripts check their own algorithm flags)."""
     for name, lowest, why in _AT_LEAST:
         value = getattr(args, name)
         if value < lowest:
             raise UserError(f"--{name.replace('_', '-')} must be at least {lowest}{why}, got {value}")
-    for name in _POSITIVE:
-        if not getattr(args, name) > 0:
-            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    check_ranges(args, positive=_POSITIVE)
     # Early, with the launchers' process count; rollout_micro_batches checks it again after setup.
     local = args.prompts_per_epoch * args.group_size // launched_data_ranks(args)
     check_updates_per_epoch(args.updates_per_epoch, local)

@@ -118,3 +118,28 @@ def sample_train_sigmas(strategy: str, num_train: int, generators: list[torch.Ge
 def sample_train_noise(num_train: int, generators: list[torch.Generator], like: torch.Tensor) -> torch.Tensor:
     """(batch, num_train, *like.shape[1:]) float32 ε's, drawn after the σ's from each sample's generator."""
     return torch.stack([torch.randn((num_train, *like.shape[1:]), generator=g) for g in generators]).to(like.device)
+
+
+# ---- whole groups: draws shared by the K samples of a prompt (DGPO, TDM-R1's surrogate) ----------------------
+def group_uniform(seeds, groups: torch.Tensor) -> torch.Tensor:
+    """(B,) float64 U ~ U[0, 1), one per group (`groups`: positions in the epoch's draw), shared by its members."""
+    members, inverse = torch.unique(groups, return_inverse=True)
+    draws = torch.cat([torch.rand(1, generator=g, dtype=torch.float64)
+                       for g in training_generators([seeds[int(m)] for m in members])])
+    return draws[inverse]
+
+
+def group_noise(seeds, groups: torch.Tensor, num_train: int, like: torch.Tensor) -> torch.Tensor:
+    """(B, num_train, ...) float32 ε's of a micro-batch whose samples belong to `groups` (their positions in the
+    epoch's draw): each group draws from its own generator, seeded by seeds[group], and its members share the
+    draw; every trained step gets a new ε. A function of (seed, epoch, group) only, not of the micro-batch."""
+    members, inverse = torch.unique(groups, return_inverse=True)
+    noise = sample_train_noise(num_train, training_generators([seeds[int(g)] for g in members]), like)
+    return noise[inverse.to(noise.device)]
+
+
+def groups_per_micro_batch(local_groups: int, group_size: int, batch_size: int) -> int:
+    """The most whole groups that fit a micro-batch of batch_size (at least one) and divide this process's
+    groups evenly, so that every micro-batch holds the same number of whole groups."""
+    fits = [d for d in range(1, local_groups + 1) if local_groups % d == 0 and d * group_size <= batch_size]
+    return max(fits, default=1)

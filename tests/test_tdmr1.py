@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from common import renoising, timesampling
 from common.utils import RunStopped
 from conftest import ACCELERATE_2CPU, REPO, SLOW, read_metrics, run_script, script_error
 
@@ -43,7 +44,7 @@ def test_renoise_is_the_flows_forward_transition_in_float64():
     y, noise = rng.normal(size=(5, 3, 4)), rng.normal(size=(5, 3, 4))
     sigma_n = np.array([0.0, 0.1, 0.4, 0.7, 0.2])
     sigma_q = np.array([0.3, 0.5, 0.45, 0.99, 0.2001])
-    x, alpha, beta = tdmr1.renoise(torch.tensor(y), torch.tensor(sigma_n), torch.tensor(sigma_q), torch.tensor(noise))
+    x, alpha, beta = renoising.renoise(torch.tensor(y), torch.tensor(sigma_n), torch.tensor(sigma_q), torch.tensor(noise))
     a = (1 - sigma_q) / (1 - sigma_n)
     b = np.sqrt(sigma_q ** 2 - a ** 2 * sigma_n ** 2)
     np.testing.assert_allclose(x.numpy(), a[:, None, None] * y + b[:, None, None] * noise, rtol=1e-14, atol=1e-14)
@@ -53,7 +54,7 @@ def test_renoise_is_the_flows_forward_transition_in_float64():
     # a y on the flow's path lands on it: x_q = (1 − σ_q)·x0 + noise of variance σ_q² (per element, many draws)
     x0, eps = 0.7, rng.normal(size=200_000)
     for s_n, s_q in ((0.2, 0.6), (0.0, 0.3), (0.5, 0.51)):
-        xq, _, _ = tdmr1.renoise(torch.tensor((1 - s_n) * x0 + s_n * eps)[None],
+        xq, _, _ = renoising.renoise(torch.tensor((1 - s_n) * x0 + s_n * eps)[None],
                                  torch.tensor([s_n]), torch.tensor([s_q]), torch.tensor(rng.normal(size=200_000))[None])
         assert xq.mean().item() == pytest.approx((1 - s_q) * x0, abs=0.01)
         assert xq.std().item() == pytest.approx(s_q, rel=0.01)
@@ -64,8 +65,8 @@ def test_surrogate_target_is_the_conditional_scores_velocity():
     y, z = torch.tensor(rng.normal(size=(4, 6))), torch.tensor(rng.normal(size=(4, 6)))
     sigma_n = torch.tensor([0.0, 0.2, 0.5, 0.0], dtype=torch.float64)
     sigma_q = torch.tensor([0.4, 0.35, 0.9, 0.05], dtype=torch.float64)
-    x, alpha, beta = tdmr1.renoise(y, sigma_n, sigma_q, z)
-    u = tdmr1.surrogate_target(x, z, beta, sigma_q).numpy()
+    x, alpha, beta = renoising.renoise(y, sigma_n, sigma_q, z)
+    u = renoising.surrogate_target(x, z, beta, sigma_q).numpy()
     sq, sn, a, b = (t.numpy()[:, None] for t in (sigma_q, sigma_n, alpha, beta))
     np.testing.assert_allclose(u, (sq * z.numpy() / b - x.numpy()) / (1 - sq), rtol=1e-13, atol=1e-13)
     # the closed form −y/(1 − σ_n) + (z/β)·(σ_q + σ_n²·α/(1 − σ_n))
@@ -79,20 +80,20 @@ def test_surrogate_target_is_the_conditional_scores_velocity():
 def test_query_times_lie_above_the_boundary_and_start_at_the_margin(shift):
     lo = torch.tensor([0.0, 0.1, 0.3, 0.7, 0.95], dtype=torch.float64)
     for u in (0.0, 0.25, 0.5, 0.999999):
-        q = tdmr1.query_sigma(lo, torch.full_like(lo, u), shift, 0.02)
+        q = renoising.query_sigma(lo, torch.full_like(lo, u), shift, 0.02)
         assert bool((q > lo).all() and (q < 1).all())
     phi = lambda u: shift * u / (1 + (shift - 1) * u)  # noqa: E731
-    start = tdmr1.query_sigma(lo, torch.zeros_like(lo), shift, 0.02).numpy()
+    start = renoising.query_sigma(lo, torch.zeros_like(lo), shift, 0.02).numpy()
     inverse = lo.numpy() / (shift - (shift - 1) * lo.numpy())
     np.testing.assert_allclose(start, phi(inverse + 0.02), rtol=1e-14)
-    np.testing.assert_allclose(tdmr1.unshift_time(tdmr1.shift_time(lo, shift), shift).numpy(), lo.numpy(), rtol=1e-14)
+    np.testing.assert_allclose(renoising.unshift_time(renoising.shift_time(lo, shift), shift).numpy(), lo.numpy(), rtol=1e-14)
     # uniform in unshifted time: the mean of φ⁻¹(σ_q) over many U is the interval's midpoint
     u = torch.rand(100_000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    q = tdmr1.query_sigma(torch.full_like(u, 0.3), u, shift, 0.02)
+    q = renoising.query_sigma(torch.full_like(u, 0.3), u, shift, 0.02)
     u0 = 0.3 / (shift - (shift - 1) * 0.3) + 0.02
-    assert tdmr1.unshift_time(q, shift).mean().item() == pytest.approx((u0 + 1) / 2, abs=2e-3)
+    assert renoising.unshift_time(q, shift).mean().item() == pytest.approx((u0 + 1) / 2, abs=2e-3)
     # σ_S ≥ t_min: the script queries above max(σ_{j+1}, t_min)
-    q = tdmr1.query_sigma(lo.clamp_min(0.3), torch.zeros_like(lo), shift, 0.02)
+    q = renoising.query_sigma(lo.clamp_min(0.3), torch.zeros_like(lo), shift, 0.02)
     assert bool((q >= 0.3).all())
 
 
@@ -101,25 +102,25 @@ def test_the_toy_schedule_is_phi_of_a_linspace_with_the_derived_shift():
 
     adapter = load_adapter("flux1", resolve_model_path("flux1", "toy"), torch.device("cpu"), torch.float32, 32, 16,
                            load_text_encoders=False)
-    shift = tdmr1.schedule_shift(adapter, 4)
+    shift = renoising.schedule_shift(adapter, 4)
     # e^μ with FLUX's μ at 64 image tokens: the toy scheduler's base_image_seq_len is 64, so μ = base_shift 0.5
     assert adapter.scheduler.config.base_image_seq_len == 64 and shift == pytest.approx(np.exp(0.5), rel=1e-12)
     for n in (1, 2, 4, 8):
         sigmas = adapter.sigmas(n)[:-1].double()
-        np.testing.assert_allclose(sigmas.numpy(), tdmr1.shift_time(np.linspace(1, 1 / n, n), shift), rtol=1e-6)
+        np.testing.assert_allclose(sigmas.numpy(), renoising.shift_time(np.linspace(1, 1 / n, n), shift), rtol=1e-6)
 
 
 def test_a_groups_members_share_their_draws_and_processes_draw_the_same():
     seeds = tdmr1.stream_seeds(1, 3, 4, tdmr1.SUR_QUERY, 0)
     groups = torch.tensor([2, 2, 0, 0, 3, 3])
-    u = tdmr1.group_uniform(seeds, groups)
+    u = timesampling.group_uniform(seeds, groups)
     assert u[0] == u[1] and u[2] == u[3] and u[4] == u[5] and len(set(u.tolist())) == 3
     # a process holding only groups 0 and 3 draws the same numbers (a function of the group, not the batch)
-    assert torch.equal(tdmr1.group_uniform(seeds, torch.tensor([3, 0])), u[[4, 2]])
+    assert torch.equal(timesampling.group_uniform(seeds, torch.tensor([3, 0])), u[[4, 2]])
     like = torch.zeros(6, 2, 3)
-    z = tdmr1.group_noise(seeds, groups, 1, like)[:, 0]
+    z = timesampling.group_noise(seeds, groups, 1, like)[:, 0]
     assert torch.equal(z[0], z[1]) and not torch.equal(z[0], z[2])
-    assert torch.equal(tdmr1.group_noise(seeds, torch.tensor([3]), 1, like[:1])[0, 0], z[4])
+    assert torch.equal(timesampling.group_noise(seeds, torch.tensor([3]), 1, like[:1])[0, 0], z[4])
     assert tdmr1.stream_seeds(1, 3, 4, tdmr1.SUR_QUERY, 0) != tdmr1.stream_seeds(1, 3, 4, tdmr1.SUR_NOISE, 0)
 
 
@@ -226,10 +227,6 @@ def test_first_surrogate_step_holds_the_step_zero_values_and_matches_dgpo_bitwis
     for left, right in zip(tdmr1.dsm_clip(loss_theta, loss_ref, a32, 1e-3), dgpo.dsm_clip(loss_theta, loss_ref, a32,
                                                                                           1e-3)):
         assert torch.equal(left, right)
-    assert torch.equal(tdmr1.group_noise([7, 8], groups, 2, torch.zeros(6, 3)),
-                       dgpo.group_noise([7, 8], groups, 2, torch.zeros(6, 3)))
-    for args in ((2, 3, 6), (4, 3, 6), (4, 3, 3), (3, 4, 9)):
-        assert tdmr1.groups_per_micro_batch(*args) == dgpo.groups_per_micro_batch(*args)
 
 
 def test_trust_region_and_runaway_truth_tables():
