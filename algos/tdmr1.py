@@ -345,6 +345,18 @@ if __name__ == "__main__":
     train_batch = size * groups_per_micro_batch(local_count // size, size, args.batch_size)
     num_groups, num_samples = args.prompts_per_epoch, args.prompts_per_epoch * size
 
+    def renoised(epoch, state, sigma_lo, tmin, query_tag, noise_tag, groups, sample_positions, *step):
+        """A query of `state` (at σ_lo): σ_q above max(σ_lo, tmin), one U per group, and the state re-noised to it
+        with one ε per sample (`sample_positions` in the epoch's draw) or, given None, per group. Every draw from
+        its own stream (seed, epoch, tag, *step). Returns (x_q, σ_q, ε, β)."""
+        u = group_uniform(stream_seeds(args.seed, epoch, num_groups, query_tag, *step), groups)
+        sigma_q = query_sigma(sigma_lo.double().cpu().clamp_min(tmin), u, shift, args.query_margin).float().to(device)
+        per_group = sample_positions is None
+        seeds = stream_seeds(args.seed, epoch, num_groups if per_group else num_samples, noise_tag, *step)
+        noise = group_noise(seeds, groups if per_group else sample_positions, 1, state)[:, 0]
+        x_q, _, beta = renoise(state, sigma_lo, sigma_q, noise)
+        return x_q, sigma_q, noise, beta
+
     def note(**values):  # (B,) or scalar tensors: each one's mean, detached, into this epoch's `stats`
         for key, value in values.items():
             stats[key].append(value.detach().float().mean())
@@ -421,11 +433,8 @@ if __name__ == "__main__":
                     x_bar = x_j + (sigmas[j + 1] - sigmas[j]) * v_gen
 
                     # -- fake loss at j: the fake score fits the generator's samples x̄ re-noised to σ_τ > σ_{j+1}
-                    u = group_uniform(stream_seeds(args.seed, epoch, num_groups, FAKE_QUERY, extra, j), groups)
-                    sigma_tau = query_sigma(sigma_next.double().cpu(), u, shift, args.query_margin).float().to(device)
-                    eps = group_noise(stream_seeds(args.seed, epoch, num_samples, FAKE_NOISE, extra, j),
-                                      positions[index], 1, x_j)[:, 0]
-                    x_tau, _, _ = renoise(x_bar, sigma_next, sigma_tau, eps)
+                    x_tau, sigma_tau, _, _ = renoised(epoch, x_bar, sigma_next, 0.0, FAKE_QUERY, FAKE_NOISE, groups,
+                                                      positions[index], extra, j)
                     target = (x_tau - x0_gen) / per_sample(sigma_tau, x_tau)  # u_f = ε_tot − x̂0_G
                     v_ref = run.reference.velocity(x_tau, sigma_tau, c, plain) if args.fake_teacher_weight > 0 \
                         else None
@@ -442,12 +451,8 @@ if __name__ == "__main__":
                     if surrogate is not None:
                         j_s = surrogate_step(args.seed, epoch, int(groups[0]), position, num_steps)
                         y, sigma_n = path[:, j_s + 1], sigmas[j_s + 1].expand(batch)
-                        u = group_uniform(stream_seeds(args.seed, epoch, num_groups, SUR_QUERY, position), groups)
-                        low = sigma_n.double().cpu().clamp_min(args.surrogate_tmin)
-                        sigma_s = query_sigma(low, u, shift, args.query_margin).float().to(device)
-                        z = group_noise(stream_seeds(args.seed, epoch, num_groups, SUR_NOISE, position), groups, 1,
-                                        y)[:, 0]
-                        x_s, _, beta_s = renoise(y, sigma_n, sigma_s, z)
+                        x_s, sigma_s, z, beta_s = renoised(epoch, y, sigma_n, args.surrogate_tmin, SUR_QUERY,
+                                                           SUR_NOISE, groups, None, position)
                         target_s = surrogate_target(x_s, z, beta_s, sigma_s)
                         v_ref = run.reference.velocity(x_s, sigma_s, c, plain)  # frozen queries first
                         v_old = surrogate_old.velocity(x_s, sigma_s, c, plain)
@@ -464,11 +469,8 @@ if __name__ == "__main__":
                              runaway_frac=part["runaway"], surrogate_drift=mse(v_s, v_old), sigma_surrogate=sigma_s)
 
                     # -- generator loss at j: revised-x0 terms towards the teacher (TDM), its CFG, the learned reward
-                    u = group_uniform(stream_seeds(args.seed, epoch, num_groups, GEN_QUERY, j), groups)
-                    sigma_tau = query_sigma(sigma_next.double().cpu(), u, shift, args.query_margin).float().to(device)
-                    eps = group_noise(stream_seeds(args.seed, epoch, num_samples, GEN_NOISE, j), positions[index], 1,
-                                      x_j)[:, 0]
-                    x_tau, _, _ = renoise(x_bar, sigma_next, sigma_tau, eps)
+                    x_tau, sigma_tau, _, _ = renoised(epoch, x_bar, sigma_next, 0.0, GEN_QUERY, GEN_NOISE, groups,
+                                                      positions[index], j)
                     with torch.no_grad():  # every query before the generator's forward (adapter switches)
                         x0_cond = x_tau - per_sample(sigma_tau, x_tau) * run.reference.velocity(x_tau, sigma_tau, c,
                                                                                                 plain)
@@ -482,12 +484,8 @@ if __name__ == "__main__":
                         norm = normaliser(x0_gen, x0_guided)
                         reward_step = surrogate is not None and j < rl_steps
                         if reward_step:
-                            u = group_uniform(stream_seeds(args.seed, epoch, num_groups, REWARD_QUERY, j), groups)
-                            low = sigma_next.double().cpu().clamp_min(args.reward_tmin)
-                            sigma_r = query_sigma(low, u, shift, args.query_margin).float().to(device)
-                            z = group_noise(stream_seeds(args.seed, epoch, num_groups, REWARD_NOISE, j), groups, 1,
-                                            x_j)[:, 0]
-                            x_r, _, _ = renoise(x_bar, sigma_next, sigma_r, z)
+                            x_r, sigma_r, _, _ = renoised(epoch, x_bar, sigma_next, args.reward_tmin, REWARD_QUERY,
+                                                          REWARD_NOISE, groups, None, j)
                             x0_sur = x_r - per_sample(sigma_r, x_r) * surrogate.velocity(x_r, sigma_r, c,
                                                                                          surrogate_cfg)
                             ref_cfg = surrogate_cfg if args.surrogate_ref_cfg else plain
